@@ -1,0 +1,3 @@
+"""nbfleet: GPU-efficient hosted notebooks and GPU jobs."""
+
+__version__ = "0.1.0"

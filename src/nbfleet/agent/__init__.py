@@ -1,0 +1,1 @@
+"""Per-host agent: runs kernels, reports inventory, obeys fenced commands."""

@@ -1,0 +1,162 @@
+"""The agent's HTTP and WebSocket API. Only the control plane calls it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Query, Request, WebSocket
+from pydantic import BaseModel, Field
+
+from nbfleet.agent.kernel_process import Client, KernelProcess
+from nbfleet.agent.service import AgentService
+from nbfleet.agent.wire import WireError, parse_client_frame
+from nbfleet.model.errors import Unauthorized
+from nbfleet.storage.paths import confine
+from nbfleet.web.problems import bearer_token, install_problem_handlers
+
+log = logging.getLogger(__name__)
+
+
+class KernelRef(BaseModel):
+    id: str
+    name: str = "python3"
+
+
+class EnsureRuntime(BaseModel):
+    generation: int = Field(ge=1)
+    kernels: list[KernelRef] = []
+
+
+class AddKernel(KernelRef):
+    generation: int = Field(ge=1)
+
+
+def create_agent_app(service: AgentService) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        async with service.running():
+            yield
+
+    app = FastAPI(title="nbfleet agent", lifespan=lifespan, docs_url=None, redoc_url=None)
+    install_problem_handlers(app)
+
+    def authorized(token: str | None) -> bool:
+        return token is not None and hmac.compare_digest(token, service.config.secret)
+
+    def require_secret(request: Request) -> None:
+        if not authorized(bearer_token(request.headers.get("authorization"))):
+            raise Unauthorized("agent calls need the cluster secret")
+
+    api = APIRouter(prefix="/agent/v1", dependencies=[Depends(require_secret)])
+
+    @api.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"agent_id": service.agent_id, "boot_id": service.boot_id}
+
+    @api.put("/runtimes/{workspace_id}")
+    async def ensure_runtime(workspace_id: str, body: EnsureRuntime) -> dict[str, Any]:
+        runtime = await service.manager.ensure(
+            workspace_id, body.generation, [(k.id, k.name) for k in body.kernels]
+        )
+        return {"kernels": [k.model() for k in runtime.kernels.values()]}
+
+    @api.delete("/runtimes/{workspace_id}")
+    async def release_runtime(workspace_id: str, generation: int = Query(ge=1),
+                              sync: bool = True) -> dict[str, Any]:
+        released = await service.manager.release(workspace_id, generation, sync=sync)
+        return {"released": released}
+
+    @api.post("/runtimes/{workspace_id}/kernels", status_code=201)
+    async def add_kernel(workspace_id: str, body: AddKernel) -> dict[str, Any]:
+        kernel = await service.manager.add_kernel(workspace_id, body.generation, body.id, body.name)
+        return kernel.model()
+
+    @api.put("/runtimes/{workspace_id}/files/{path:path}", status_code=204)
+    async def put_file(workspace_id: str, path: str, request: Request) -> None:
+        await service.manager.write_file(workspace_id, confine(path), await request.body())
+
+    @api.delete("/runtimes/{workspace_id}/files/{path:path}", status_code=204)
+    async def delete_file(workspace_id: str, path: str) -> None:
+        await service.manager.write_file(workspace_id, confine(path), None)
+
+    @api.get("/kernels")
+    async def list_kernels() -> list[dict[str, Any]]:
+        return [k.model() for k in service.manager.kernels.values()]
+
+    @api.get("/kernels/{kernel_id}")
+    async def get_kernel(kernel_id: str) -> dict[str, Any]:
+        return service.manager.get_kernel(kernel_id).model()
+
+    @api.delete("/kernels/{kernel_id}", status_code=204)
+    async def delete_kernel(kernel_id: str) -> None:
+        await service.manager.remove_kernel(kernel_id)
+
+    @api.post("/kernels/{kernel_id}/interrupt", status_code=204)
+    async def interrupt_kernel(kernel_id: str) -> None:
+        await service.manager.get_kernel(kernel_id).interrupt()
+
+    @api.post("/kernels/{kernel_id}/restart")
+    async def restart_kernel(kernel_id: str) -> dict[str, Any]:
+        kernel = service.manager.get_kernel(kernel_id)
+        await kernel.restart()
+        return kernel.model()
+
+    app.include_router(api)
+
+    @app.websocket("/agent/v1/kernels/{kernel_id}/channels")
+    async def channels(websocket: WebSocket, kernel_id: str) -> None:
+        if not authorized(bearer_token(websocket.headers.get("authorization"))):
+            await websocket.close(code=1008, reason="unauthorized")
+            return
+        kernel = service.manager.kernels.get(kernel_id)
+        if kernel is None:
+            await websocket.close(code=4004, reason="no such kernel")
+            return
+        await websocket.accept()
+        await relay(websocket, kernel)
+
+    return app
+
+
+async def relay(websocket: WebSocket, kernel: KernelProcess) -> None:
+    client = kernel.attach()
+    writer = asyncio.create_task(_drain(websocket, client))
+    try:
+        while True:
+            event = await websocket.receive()
+            if event["type"] == "websocket.disconnect":
+                break
+            data = event.get("text")
+            if data is None:
+                data = event.get("bytes")
+            if data is None:
+                continue
+            try:
+                channel, message, buffers = parse_client_frame(data)
+            except (WireError, ValueError) as exc:
+                log.warning("ignoring a bad client frame for kernel %s: %s", kernel.id, exc)
+                continue
+            kernel.send_from_client(client, channel, message, buffers)
+    finally:
+        kernel.detach(client)
+        writer.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await writer
+
+
+async def _drain(websocket: WebSocket, client: Client) -> None:
+    while True:
+        frame = await client.queue.get()
+        if frame is None:
+            with contextlib.suppress(Exception):
+                await websocket.close()
+            return
+        if isinstance(frame, str):
+            await websocket.send_text(frame)
+        else:
+            await websocket.send_bytes(frame)

@@ -1,0 +1,305 @@
+"""One ipykernel process, its ZMQ sockets, and the WebSocket clients attached to it.
+
+The agent keeps a single set of sockets per kernel for its whole life, so output
+keeps flowing while no client is connected: it is buffered and handed to the next
+client that attaches. iopub is broadcast; replies go to the client whose request
+they answer (matched by the parent ``msg_id``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import uuid
+from collections import deque
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from jupyter_client.manager import AsyncKernelManager
+
+from nbfleet.agent.wire import KernelMessage, WireCodec, WireError
+
+log = logging.getLogger(__name__)
+
+CHANNELS = ("shell", "control", "stdin", "iopub")
+BUFFER_LIMIT = 10_000
+CLIENT_QUEUE_LIMIT = 10_000
+READY_TIMEOUT_S = 60.0
+
+
+def jupyter_time(moment: datetime) -> str:
+    """The timestamp format jupyter_server's models use."""
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+class Client:
+    """One attached WebSocket: a bounded queue drained by the connection's writer."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[str | bytes | None] = asyncio.Queue(CLIENT_QUEUE_LIMIT)
+        self.closed = False
+
+    def offer(self, frame: str | bytes) -> None:
+        try:
+            self.queue.put_nowait(frame)
+        except asyncio.QueueFull:
+            log.warning("dropping a client that stopped reading")
+            self.close()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            with contextlib.suppress(asyncio.QueueFull):
+                self.queue.put_nowait(None)
+
+
+class KernelProcess:
+    def __init__(
+        self,
+        kernel_id: str,
+        workspace_id: str,
+        name: str,
+        workdir: str,
+        env: dict[str, str],
+        connection_dir: str,
+        on_activity: Callable[[], None] | None = None,
+    ) -> None:
+        self.id = kernel_id
+        self.workspace_id = workspace_id
+        self.name = name
+        self.workdir = workdir
+        self.env = env
+        self.execution_state = "starting"
+        self.last_activity = datetime.now(UTC)
+        self.clients: set[Client] = set()
+        self._buffer: deque[str | bytes] = deque(maxlen=BUFFER_LIMIT)
+        self._requesters: dict[str, Client] = {}
+        self._internal: set[str] = set()
+        self._ready = asyncio.Event()
+        self._shell_seen = asyncio.Event()
+        self._iopub_seen = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._sockets: dict[str, zmq.asyncio.Socket] = {}
+        self._stopping = False
+        self._on_activity = on_activity
+        os.makedirs(connection_dir, mode=0o700, exist_ok=True)
+        # IPC sockets in a private directory: no other local user can reach the kernel,
+        # which TCP on loopback would allow.
+        self.manager = AsyncKernelManager(
+            kernel_name=name,
+            transport="ipc",
+            ip=os.path.join(connection_dir, f"k-{kernel_id[:8]}"),
+            connection_file=os.path.join(connection_dir, f"kernel-{kernel_id}.json"),
+        )
+        self.codec: WireCodec | None = None
+        self._identity = uuid.uuid4().hex.encode()
+
+    # ----------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        await self.manager.start_kernel(cwd=self.workdir, env=self.env)
+        info: dict[str, Any] = dict(self.manager.get_connection_info())
+        key = info["key"]
+        self.codec = WireCodec(key if isinstance(key, bytes) else key.encode())
+        context = zmq.asyncio.Context.instance()
+        for channel in CHANNELS:
+            kind = zmq.SUB if channel == "iopub" else zmq.DEALER
+            sock = context.socket(kind)
+            sock.linger = 0
+            if channel in ("shell", "stdin"):
+                sock.setsockopt(zmq.IDENTITY, self._identity)
+            if channel == "iopub":
+                sock.setsockopt(zmq.SUBSCRIBE, b"")
+            port = info[f"{channel}_port"]
+            separator = "-" if info["transport"] == "ipc" else ":"
+            sock.connect(f"{info['transport']}://{info['ip']}{separator}{port}")
+            self._sockets[channel] = sock
+            self._tasks.append(asyncio.create_task(self._read(channel, sock)))
+        self._tasks.append(asyncio.create_task(self._watch_process()))
+        await self._wait_ready()
+
+    async def _wait_ready(self) -> None:
+        """Nudge with kernel_info until both shell and iopub answer (late-joiner safe)."""
+        self._ready.clear()
+        self._shell_seen.clear()
+        self._iopub_seen.clear()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + READY_TIMEOUT_S
+        while not (self._shell_seen.is_set() and self._iopub_seen.is_set()):
+            if loop.time() > deadline:
+                raise TimeoutError(f"kernel {self.id} did not become ready")
+            if not await self.manager.is_alive():
+                raise RuntimeError(f"kernel {self.id} exited during start-up")
+            self._send_internal("kernel_info_request")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._iopub_seen.wait(), 0.2)
+        self.execution_state = "idle"
+        self._ready.set()
+
+    def _send_internal(self, msg_type: str) -> None:
+        assert self.codec is not None
+        msg_id = uuid.uuid4().hex
+        self._internal.add(msg_id)
+        header = {
+            "msg_id": msg_id,
+            "msg_type": msg_type,
+            "session": "nbfleet-agent",
+            "username": "nbfleet",
+            "date": jupyter_time(datetime.now(UTC)),
+            "version": "5.3",
+        }
+        frames = self.codec.to_kernel({"header": header, "content": {}}, [])
+        self._sockets["shell"].send_multipart(frames, copy=True)
+
+    async def interrupt(self) -> None:
+        await self.manager.interrupt_kernel()
+
+    async def restart(self) -> None:
+        self._broadcast_status("restarting")
+        self._requesters.clear()
+        await self.manager.restart_kernel(now=True)
+        await self._wait_ready()
+
+    async def shutdown(self) -> None:
+        self._stopping = True
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        for sock in self._sockets.values():
+            sock.close(linger=0)
+        with contextlib.suppress(Exception):
+            await self.manager.shutdown_kernel(now=True)
+        self._broadcast_status("dead")
+        for client in list(self.clients):
+            client.close()
+        self.clients.clear()
+        self.execution_state = "dead"
+
+    async def _watch_process(self) -> None:
+        """Restart a kernel that died by itself (e.g. the user called os._exit)."""
+        while True:
+            await asyncio.sleep(1.0)
+            if self._stopping or not self._ready.is_set():
+                continue
+            if not await self.manager.is_alive():
+                log.warning("kernel %s died; restarting it", self.id)
+                self.execution_state = "restarting"
+                try:
+                    await self.restart()
+                except Exception:
+                    log.exception("kernel %s could not be restarted", self.id)
+                    self.execution_state = "dead"
+                    self._broadcast_status("dead")
+                    return
+
+    # ------------------------------------------------------------------ relaying
+    def attach(self) -> Client:
+        client = Client()
+        while self._buffer:  # no await in here: nothing can interleave
+            client.offer(self._buffer.popleft())
+        self.clients.add(client)
+        return client
+
+    def detach(self, client: Client) -> None:
+        self.clients.discard(client)
+        client.close()
+
+    def send_from_client(self, client: Client, channel: str, message: dict[str, Any],
+                         buffers: list[bytes]) -> None:
+        assert self.codec is not None
+        msg_id = message["header"]["msg_id"]
+        if channel != "stdin":
+            self._requesters[msg_id] = client
+        self._touch()
+        self._sockets[channel].send_multipart(self.codec.to_kernel(message, buffers), copy=True)
+
+    async def _read(self, channel: str, sock: zmq.asyncio.Socket) -> None:
+        assert self.codec is not None
+        while True:
+            frames = await sock.recv_multipart()
+            try:
+                message = self.codec.from_kernel(channel, frames)
+            except (WireError, ValueError) as exc:
+                log.warning("dropping a bad %s message from kernel %s: %s", channel, self.id, exc)
+                continue
+            self._route(channel, message)
+
+    def _route(self, channel: str, message: KernelMessage) -> None:
+        parent = message.parent_msg_id
+        if channel == "iopub":
+            if message.msg_type == "status":
+                state = json.loads(message.content_raw).get("execution_state")
+                if isinstance(state, str) and self._ready.is_set():
+                    self.execution_state = state
+            if parent in self._internal:  # our own readiness nudge: not for clients
+                self._iopub_seen.set()
+                return
+            self._iopub_seen.set()
+            self._touch()
+            self._broadcast(message.frame)
+            return
+        if parent in self._internal:
+            self._internal.discard(parent)
+            self._shell_seen.set()
+            return
+        self._touch()
+        target = self._requesters.get(parent) if parent else None
+        if channel in ("shell", "control") and parent is not None:
+            self._requesters.pop(parent, None)
+        if target is not None and target in self.clients:
+            target.offer(message.frame)
+        else:
+            self._broadcast(message.frame)
+
+    def _broadcast(self, frame: str | bytes) -> None:
+        if not self.clients:
+            self._buffer.append(frame)
+            return
+        for client in list(self.clients):
+            client.offer(frame)
+
+    def _broadcast_status(self, state: str) -> None:
+        now = jupyter_time(datetime.now(UTC))
+        header = {
+            "msg_id": uuid.uuid4().hex,
+            "msg_type": "status",
+            "session": "nbfleet-agent",
+            "username": "nbfleet",
+            "date": now,
+            "version": "5.3",
+        }
+        frame = json.dumps(
+            {
+                "header": header,
+                "msg_id": header["msg_id"],
+                "msg_type": "status",
+                "parent_header": {},
+                "metadata": {},
+                "content": {"execution_state": state},
+                "buffers": [],
+                "channel": "iopub",
+            }
+        )
+        self._broadcast(frame)
+
+    def _touch(self) -> None:
+        self.last_activity = datetime.now(UTC)
+        if self._on_activity is not None:
+            self._on_activity()
+
+    def model(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "name": self.name,
+            "workspace_id": self.workspace_id,
+            "last_activity": jupyter_time(self.last_activity),
+            "execution_state": self.execution_state,
+            "connections": len(self.clients),
+        }

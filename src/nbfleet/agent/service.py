@@ -1,0 +1,141 @@
+"""The agent process: registers with the control plane, heartbeats, hosts runtimes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from jupyter_client.kernelspec import KernelSpecManager
+
+from nbfleet.agent.runtimes import RuntimeManager
+from nbfleet.model.resources import HostInventory, parse_gpu_spec
+from nbfleet.storage.blobs import BlobStore
+from nbfleet.storage.files import WorkspaceFiles
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_INTERVAL_S = 2.0
+
+
+@dataclass
+class AgentConfig:
+    control_url: str
+    secret: str
+    state_dir: str
+    gpus: str = ""
+    advertise_url: str = ""  # filled in once the listening port is known
+    release_delay_s: float = 0.0
+    millicpus: int = field(default_factory=lambda: (os.cpu_count() or 1) * 1000)
+    memory_mb: int = field(
+        default_factory=lambda: os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20
+    )
+
+
+def load_agent_id(state_dir: str) -> str:
+    """A host keeps its id across restarts; its boot id changes on every start."""
+    os.makedirs(state_dir, exist_ok=True)
+    path = os.path.join(state_dir, "agent-id")
+    if os.path.exists(path):
+        with open(path) as handle:
+            return handle.read().strip()
+    agent_id = f"host_{secrets.token_hex(8)}"
+    with open(path, "w") as handle:
+        handle.write(agent_id)
+    return agent_id
+
+
+def kernelspecs() -> dict[str, Any]:
+    specs = KernelSpecManager().get_all_specs()
+    return {
+        name: {"name": name, "spec": info["spec"], "resources": {}}
+        for name, info in specs.items()
+    }
+
+
+class AgentService:
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self.agent_id = load_agent_id(config.state_dir)
+        self.boot_id = f"boot_{secrets.token_hex(8)}"
+        self.inventory = HostInventory(config.millicpus, config.memory_mb,
+                                       parse_gpu_spec(config.gpus))
+        self.runtimes: RuntimeManager | None = None
+        self._http = httpx.AsyncClient(
+            base_url=config.control_url,
+            headers={"Authorization": f"Bearer {config.secret}"},
+            timeout=10.0,
+        )
+
+    @property
+    def manager(self) -> RuntimeManager:
+        if self.runtimes is None:
+            raise RuntimeError("agent is not registered yet")
+        return self.runtimes
+
+    def registration(self) -> dict[str, Any]:
+        return {
+            "id": self.agent_id,
+            "url": self.config.advertise_url,
+            "boot_id": self.boot_id,
+            "inventory": {
+                "millicpus": self.inventory.millicpus,
+                "memory_mb": self.inventory.memory_mb,
+                "gpus": [
+                    {"count": g.count, "type": g.gpu_type, "vram_gb": g.vram_gb}
+                    for g in self.inventory.gpus
+                ],
+                "kernelspecs": kernelspecs(),
+            },
+        }
+
+    async def register(self, attempts: int = 60) -> None:
+        for attempt in range(attempts):
+            try:
+                response = await self._http.post("/internal/agents", json=self.registration())
+                response.raise_for_status()
+                body = response.json()
+                break
+            except httpx.HTTPError as exc:
+                if attempt == attempts - 1:
+                    raise
+                log.info("control plane not reachable yet (%s); retrying", exc)
+                await asyncio.sleep(0.5)
+        if self.runtimes is None:
+            files = WorkspaceFiles(BlobStore(body["blobs_url"]))
+            self.runtimes = RuntimeManager(
+                self.config.state_dir, files, release_delay_s=self.config.release_delay_s
+            )
+        log.info("registered as %s (%s)", self.agent_id, self.boot_id)
+
+    async def heartbeat_forever(self) -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+            try:
+                response = await self._http.post(
+                    f"/internal/agents/{self.agent_id}/heartbeat", json={"boot_id": self.boot_id}
+                )
+                if response.status_code in (404, 409):
+                    await self.register()  # the control plane lost or replaced our record
+            except httpx.HTTPError as exc:
+                log.warning("heartbeat failed: %s", exc)
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        await self.register()
+        beat = asyncio.create_task(self.heartbeat_forever())
+        try:
+            yield
+        finally:
+            beat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beat
+            if self.runtimes is not None:
+                await self.runtimes.shutdown()
+            await self._http.aclose()

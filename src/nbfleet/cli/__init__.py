@@ -1,0 +1,1 @@
+"""The nbfleet command line."""

@@ -1,0 +1,158 @@
+"""The ``nbfleet`` command."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.panel import Panel
+
+from nbfleet.agent.service import AgentConfig
+from nbfleet.cli import users, ws
+from nbfleet.cli.home import DEFAULT_PORT, home_dir, sqlite_url
+from nbfleet.cli.servers import (
+    Serving,
+    _Server,
+    agent_server,
+    bind,
+    configure_logging,
+    load_or_create_secret,
+    serve_all,
+    uvicorn_config,
+)
+from nbfleet.control.app import create_app
+from nbfleet.control.platform import ControlConfig
+from nbfleet.control.tenancy import ensure_admin, write_secret
+from nbfleet.model.errors import DomainError
+from nbfleet.model.resources import parse_gpu_spec
+
+app = typer.Typer(
+    help="nbfleet: GPU-efficient hosted notebooks and GPU jobs.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+app.add_typer(ws.app, name="ws")
+app.add_typer(users.app, name="user")
+console = Console(stderr=True)
+
+HOME_OPT = typer.Option(None, "--home", envvar="NBFLEET_HOME",
+                        help="State directory [default: ./.nbfleet]")
+LOG_OPT = typer.Option("warning", "--log-level", help="debug, info, warning or error")
+
+
+def _check_gpus(gpus: str) -> None:
+    try:
+        parse_gpu_spec(gpus)
+    except DomainError as exc:
+        console.print(f"[red]error:[/red] {exc.detail}")
+        raise typer.Exit(2) from exc
+
+
+def _control(home: Path, db: str | None, blobs: str | None, secret: str | None,
+             host: str, port: int, log_level: str) -> tuple[Serving, str, str]:
+    home.mkdir(parents=True, exist_ok=True)
+    secret = secret or load_or_create_secret(home / "cluster-secret")
+    config = ControlConfig(db_url=db or sqlite_url(home), blobs_url=blobs or str(home / "blobs"),
+                           secret=secret)
+    control_app = create_app(config)
+    token = ensure_admin(control_app.state.platform.db, str(home / "admin-token"))
+    sock = bind(host, port)
+    url = f"http://{host}:{sock.getsockname()[1]}"
+    write_secret(str(home / "url"), url)
+    serving = Serving(_Server(uvicorn_config(control_app, log_level)), sock)
+    return serving, url, token
+
+
+def _banner(url: str, token: str, home: Path) -> None:
+    console.print(Panel.fit(
+        f"[bold]nbfleet[/bold] is up at [cyan]{url}[/cyan]\n"
+        f"admin token: [yellow]{token}[/yellow]  (also in {home / 'admin-token'}, mode 0600)\n"
+        f"API docs:    {url}/docs\n"
+        "Press Ctrl-C to stop.",
+        title="nbfleet",
+    ))
+
+
+@app.command()
+def up(
+    home: str | None = HOME_OPT,
+    host: str = typer.Option("127.0.0.1", help="Address to listen on"),
+    port: int = typer.Option(DEFAULT_PORT, help="Port of the control plane"),
+    gpus: str = typer.Option("4xA100-80GB", help="Virtual GPUs of the embedded agent"),
+    log_level: str = LOG_OPT,
+) -> None:
+    """Run the whole platform on this machine: control plane + one agent, SQLite, local blobs."""
+    configure_logging(log_level)
+    _check_gpus(gpus)
+    state = home_dir(home)
+    control, url, token = _control(state, None, None, None, host, port, log_level)
+    agent = agent_server(
+        AgentConfig(control_url=url, secret=load_or_create_secret(state / "cluster-secret"),
+                    state_dir=str(state / "agent"), gpus=gpus),
+        "127.0.0.1", 0, log_level,
+    )
+    _banner(url, token, state)
+    asyncio.run(serve_all([control, agent]))
+    console.print("nbfleet stopped.")
+
+
+@app.command()
+def control(
+    db: str | None = typer.Option(None, "--db", envvar="NBFLEET_DB",
+                                  help="SQLAlchemy URL, e.g. postgresql://user@host/db"),
+    blobs: str | None = typer.Option(None, "--blobs", envvar="NBFLEET_BLOBS",
+                                     help="Blob store URL: a directory or s3://bucket/prefix"),
+    home: str | None = HOME_OPT,
+    secret: str | None = typer.Option(None, "--secret", envvar="NBFLEET_CLUSTER_SECRET",
+                                      help="Cluster secret shared with agents"),
+    host: str = typer.Option("127.0.0.1"),
+    port: int = typer.Option(DEFAULT_PORT),
+    log_level: str = LOG_OPT,
+) -> None:
+    """Run the control plane alone (agents join with `nbfleet agent`)."""
+    configure_logging(log_level)
+    state = home_dir(home)
+    serving, url, token = _control(state, db, blobs, secret, host, port, log_level)
+    _banner(url, token, state)
+    asyncio.run(serve_all([serving]))
+
+
+@app.command()
+def agent(
+    control_url: str = typer.Option(..., "--control", envvar="NBFLEET_CONTROL_URL",
+                                    help="Control plane URL"),
+    secret: str | None = typer.Option(None, "--secret", envvar="NBFLEET_CLUSTER_SECRET"),
+    home: str | None = HOME_OPT,
+    state_dir: str | None = typer.Option(None, "--state-dir", help="[default: HOME/agent]"),
+    gpus: str = typer.Option("", help="Virtual GPUs, e.g. 4xA100-80GB,2xH100-80GB"),
+    host: str = typer.Option("127.0.0.1"),
+    port: int = typer.Option(0, help="0 picks a free port"),
+    log_level: str = LOG_OPT,
+) -> None:
+    """Run one agent (host) that registers with a control plane."""
+    configure_logging(log_level)
+    _check_gpus(gpus)
+    state = home_dir(home)
+    secret = secret or _read_secret(state / "cluster-secret")
+    release_delay = float(os.environ.get("NBFLEET_FAULT_RELEASE_DELAY_S", "0"))
+    serving = agent_server(
+        AgentConfig(control_url=control_url.rstrip("/"), secret=secret,
+                    state_dir=state_dir or str(state / "agent"), gpus=gpus,
+                    release_delay_s=release_delay),
+        host, port, log_level,
+    )
+    asyncio.run(serve_all([serving]))
+
+
+def _read_secret(path: Path) -> str:
+    if not path.exists():
+        console.print(f"[red]error:[/red] no --secret given and {path} does not exist")
+        raise typer.Exit(2)
+    return path.read_text().strip()
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,1 @@
+"""Control plane: the public API, reconcilers and the kernel gateway."""

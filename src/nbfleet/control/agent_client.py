@@ -1,0 +1,90 @@
+"""The control plane's client for agents (HTTP, plus the URL of the kernel socket)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from nbfleet.model.errors import Conflict, DomainError, NotFound, Unavailable
+
+
+class AgentClient:
+    def __init__(self, secret: str, timeout_s: float = 60.0) -> None:
+        self.secret = secret
+        self.http = httpx.AsyncClient(
+            headers={"Authorization": f"Bearer {secret}"},
+            timeout=httpx.Timeout(timeout_s, connect=3.0),
+        )
+
+    async def _call(self, method: str, url: str, **kwargs: Any) -> Any:
+        try:
+            response = await self.http.request(method, url, **kwargs)
+        except httpx.HTTPError as exc:
+            raise Unavailable(f"agent unreachable: {exc!r}") from exc
+        if response.status_code < 300:
+            return response.json() if response.content else None
+        detail = _detail(response)
+        if response.status_code == 404:
+            raise NotFound(detail)
+        if response.status_code == 409:
+            raise Conflict(detail)
+        if response.status_code < 500:
+            raise DomainError(detail)
+        raise Unavailable(f"agent error {response.status_code}: {detail}")
+
+    async def ensure_runtime(self, base: str, workspace_id: str, generation: int,
+                             kernels: list[dict[str, str]]) -> Any:
+        return await self._call("PUT", f"{base}/agent/v1/runtimes/{workspace_id}",
+                                json={"generation": generation, "kernels": kernels})
+
+    async def release_runtime(self, base: str, workspace_id: str, generation: int) -> Any:
+        return await self._call("DELETE", f"{base}/agent/v1/runtimes/{workspace_id}",
+                                params={"generation": generation})
+
+    async def add_kernel(self, base: str, workspace_id: str, generation: int, kernel_id: str,
+                         name: str) -> Any:
+        return await self._call("POST", f"{base}/agent/v1/runtimes/{workspace_id}/kernels",
+                                json={"generation": generation, "id": kernel_id, "name": name})
+
+    async def kernels(self, base: str) -> list[dict[str, Any]]:
+        result: list[dict[str, Any]] = await self._call("GET", f"{base}/agent/v1/kernels")
+        return result
+
+    async def kernel(self, base: str, kernel_id: str) -> dict[str, Any]:
+        result: dict[str, Any] = await self._call("GET", f"{base}/agent/v1/kernels/{kernel_id}")
+        return result
+
+    async def delete_kernel(self, base: str, kernel_id: str) -> None:
+        await self._call("DELETE", f"{base}/agent/v1/kernels/{kernel_id}")
+
+    async def interrupt(self, base: str, kernel_id: str) -> None:
+        await self._call("POST", f"{base}/agent/v1/kernels/{kernel_id}/interrupt")
+
+    async def restart(self, base: str, kernel_id: str) -> dict[str, Any]:
+        result: dict[str, Any] = await self._call(
+            "POST", f"{base}/agent/v1/kernels/{kernel_id}/restart"
+        )
+        return result
+
+    async def put_file(self, base: str, workspace_id: str, path: str, data: bytes) -> None:
+        await self._call("PUT", f"{base}/agent/v1/runtimes/{workspace_id}/files/{path}",
+                         content=data)
+
+    async def delete_file(self, base: str, workspace_id: str, path: str) -> None:
+        await self._call("DELETE", f"{base}/agent/v1/runtimes/{workspace_id}/files/{path}")
+
+    @staticmethod
+    def channels_url(base: str, kernel_id: str) -> str:
+        return base.replace("http", "ws", 1) + f"/agent/v1/kernels/{kernel_id}/channels"
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+
+def _detail(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+        return str(body.get("detail") or body)
+    except ValueError:
+        return response.text[:500]

@@ -1,0 +1,59 @@
+"""The control plane's FastAPI application."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from nbfleet import __version__
+from nbfleet.control import leases
+from nbfleet.control.platform import ControlConfig, Platform
+from nbfleet.control.reconciler import LEASE, Reconciler
+from nbfleet.control.routers import admin, files, gateway, internal, workspaces
+from nbfleet.db.migrate import upgrade
+from nbfleet.web.problems import install_problem_handlers
+
+
+def create_app(config: ControlConfig, run_reconciler: bool = True) -> FastAPI:
+    platform = Platform(config)
+    upgrade(platform.db.engine)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        task = None
+        if run_reconciler:
+            task = asyncio.create_task(Reconciler(platform).run_forever())
+        try:
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                await asyncio.to_thread(leases.release, platform.db, LEASE, platform.instance_id)
+            await platform.aclose()
+
+    app = FastAPI(
+        title="nbfleet",
+        version=__version__,
+        summary="GPU-efficient hosted notebooks and GPU jobs",
+        lifespan=lifespan,
+    )
+    app.state.platform = platform
+    install_problem_handlers(app)
+    for module in (workspaces, files, gateway, admin, internal):
+        app.include_router(module.router)
+
+    @app.get("/healthz", tags=["ops"], summary="Liveness")
+    def healthz() -> dict[str, str]:
+        return {"status": "ok", "version": __version__}
+
+    @app.get("/metrics", tags=["ops"], summary="Prometheus metrics")
+    def metrics() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

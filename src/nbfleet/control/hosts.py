@@ -1,0 +1,104 @@
+"""The registry of agents (hosts): registration, heartbeats and liveness.
+
+A host is alive while its last heartbeat, on the DB clock, is recent. When a host
+comes back with a new boot id, or stops heartbeating, the runtimes it had are gone,
+so its running workspaces go back to ``resuming`` for the reconciler to re-place.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from nbfleet.control.workspaces import transition
+from nbfleet.db.tables import Agent, Workspace
+from nbfleet.model.errors import Conflict, NotFound
+from nbfleet.model.workspace import WorkspaceState
+from nbfleet.policy.placement import HostLoad
+
+
+def register(session: Session, now: datetime, body: dict[str, Any]) -> int:
+    """Upsert an agent; returns how many workspaces lost their runtime to a reboot."""
+    agent = session.get(Agent, body["id"], with_for_update=True)
+    if agent is None:
+        session.add(Agent(id=body["id"], url=body["url"], boot_id=body["boot_id"],
+                          inventory=body["inventory"], registered_at=now, last_heartbeat_at=now))
+        return 0
+    agent.url = body["url"]
+    agent.inventory = body["inventory"]
+    agent.last_heartbeat_at = now
+    if agent.boot_id == body["boot_id"]:
+        return 0
+    agent.boot_id = body["boot_id"]
+    agent.registered_at = now
+    return runtimes_lost(session, agent.id, now, "host restarted", keep_boot=body["boot_id"])
+
+
+def heartbeat(session: Session, now: datetime, agent_id: str, boot_id: str) -> None:
+    agent = session.get(Agent, agent_id, with_for_update=True)
+    if agent is None:
+        raise NotFound(f"unknown agent {agent_id}")
+    if agent.boot_id != boot_id:
+        raise Conflict("boot id changed: register again")
+    agent.last_heartbeat_at = now
+
+
+def runtimes_lost(session: Session, host_id: str, now: datetime, reason: str,
+                  keep_boot: str | None = None) -> int:
+    """Send the host's running workspaces back to ``resuming``."""
+    query = select(Workspace).where(
+        Workspace.host_id == host_id, Workspace.state == WorkspaceState.RUNNING
+    ).with_for_update()
+    lost = 0
+    for ws in session.execute(query).scalars():
+        if keep_boot is not None and ws.host_boot_id == keep_boot:
+            continue
+        transition(session, ws, WorkspaceState.RESUMING, now, reason)
+        ws.pending = True
+        lost += 1
+    return lost
+
+
+def alive_since(now: datetime, timeout_s: float) -> datetime:
+    return now - timedelta(seconds=timeout_s)
+
+
+def alive_agent(session: Session, host_id: str | None, now: datetime,
+                timeout_s: float) -> Agent | None:
+    if host_id is None:
+        return None
+    agent = session.get(Agent, host_id)
+    if agent is None or agent.last_heartbeat_at < alive_since(now, timeout_s):
+        return None
+    return agent
+
+
+def host_loads(session: Session, now: datetime, timeout_s: float) -> list[HostLoad]:
+    counts = dict(
+        session.execute(
+            select(Workspace.host_id, func.count())
+            .where(Workspace.host_id.is_not(None))
+            .group_by(Workspace.host_id)
+        ).all()
+    )
+    agents = session.execute(
+        select(Agent).where(Agent.last_heartbeat_at >= alive_since(now, timeout_s))
+    ).scalars()
+    return [
+        HostLoad(a.id, int(counts.get(a.id, 0)), int(a.inventory.get("millicpus", 1000)))
+        for a in agents
+    ]
+
+
+def dead_hosts_with_runtimes(session: Session, now: datetime, timeout_s: float) -> list[str]:
+    query = (
+        select(Agent.id)
+        .join(Workspace, Workspace.host_id == Agent.id)
+        .where(Agent.last_heartbeat_at < alive_since(now, timeout_s),
+               Workspace.state == WorkspaceState.RUNNING)
+        .distinct()
+    )
+    return list(session.execute(query).scalars())

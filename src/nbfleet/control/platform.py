@@ -1,0 +1,54 @@
+"""Everything a control-plane process shares: config, DB, blob store, agent client."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from dataclasses import dataclass, field
+
+from nbfleet.control.agent_client import AgentClient
+from nbfleet.db.engine import Database
+from nbfleet.storage.blobs import BlobStore
+from nbfleet.storage.files import WorkspaceFiles
+
+
+@dataclass
+class ControlConfig:
+    db_url: str
+    blobs_url: str
+    secret: str
+    reconcile_interval_s: float = 1.0
+    lease_ttl_s: float = 5.0
+    agent_timeout_s: float = 10.0
+
+
+@dataclass
+class Platform:
+    config: ControlConfig
+    db: Database = field(init=False)
+    blobs: BlobStore = field(init=False)
+    files: WorkspaceFiles = field(init=False)
+    agents: AgentClient = field(init=False)
+    instance_id: str = field(default_factory=lambda: f"ctl_{secrets.token_hex(6)}")
+    _wake: asyncio.Event | None = None
+    _loop: asyncio.AbstractEventLoop | None = None
+
+    def __post_init__(self) -> None:
+        self.db = Database(self.config.db_url)
+        self.blobs = BlobStore(self.config.blobs_url)
+        self.files = WorkspaceFiles(self.blobs)
+        self.agents = AgentClient(self.config.secret)
+
+    def bind_loop(self) -> asyncio.Event:
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        return self._wake
+
+    def wake(self) -> None:
+        """Nudge the reconciler now instead of at its next tick (thread-safe)."""
+        if self._loop is not None and self._wake is not None:
+            self._loop.call_soon_threadsafe(self._wake.set)
+
+    async def aclose(self) -> None:
+        await self.agents.aclose()
+        self.db.dispose()

@@ -1,0 +1,232 @@
+"""The workspace reconciler: drives each workspace's state towards its desired state.
+
+Each step is (1) a short transaction that enters the step's transitional state and
+records where it will act, (2) idempotent calls to an agent, and (3) a short
+transaction that settles the state. A crash anywhere leaves a state from which
+:func:`nbfleet.model.workspace.plan` picks the same step again, so re-running is
+always safe. Only the holder of the ``workspace-reconciler`` lease runs, and it
+re-checks its fencing token in every transaction it writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from dataclasses import dataclass
+from datetime import timedelta
+
+from prometheus_client import Counter
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from nbfleet.control import hosts, leases
+from nbfleet.control.platform import Platform
+from nbfleet.control.workspaces import transition
+from nbfleet.db.tables import Kernel, Workspace
+from nbfleet.model.errors import DomainError, NotFound
+from nbfleet.model.workspace import Action, DesiredState, Step, WorkspaceState, plan, retry_delay_s
+from nbfleet.policy.placement import least_loaded
+
+log = logging.getLogger(__name__)
+
+LEASE = "workspace-reconciler"
+BATCH = 100
+PARALLEL = 8
+MAX_STEPS = 8
+
+STEPS = Counter("nbfleet_reconcile_steps_total", "Reconciler steps", ["action", "outcome"])
+
+
+class LeaseLost(Exception):
+    """Another replica took the lease: stop writing."""
+
+
+@dataclass(frozen=True, slots=True)
+class Work:
+    """What one step will do, captured in its first transaction."""
+
+    workspace_id: str
+    step: Step
+    generation: int
+    expect_state: WorkspaceState
+    host_url: str | None
+    kernels: tuple[tuple[str, str], ...]
+
+
+class Reconciler:
+    def __init__(self, platform: Platform) -> None:
+        self.platform = platform
+        self.db = platform.db
+        self.token: int | None = None
+        self._slots = asyncio.Semaphore(PARALLEL)
+
+    async def run_forever(self) -> None:
+        wake = self.platform.bind_loop()
+        interval = self.platform.config.reconcile_interval_s
+        while True:
+            try:
+                await self.tick()
+            except Exception:
+                log.exception("reconciler tick failed")
+            wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), interval)
+
+    async def tick(self) -> None:
+        config = self.platform.config
+        self.token = await asyncio.to_thread(
+            leases.acquire, self.db, LEASE, self.platform.instance_id, config.lease_ttl_s
+        )
+        if self.token is None:
+            return
+        await asyncio.to_thread(self._mark_dead_hosts)
+        due = await asyncio.to_thread(self._due)
+        await asyncio.gather(*(self._reconcile_guarded(ws_id) for ws_id in due))
+
+    def _check_lease(self, session: Session) -> None:
+        if self.token is None or not leases.still_held(session, LEASE, self.token):
+            raise LeaseLost()
+
+    def _mark_dead_hosts(self) -> None:
+        timeout = self.platform.config.agent_timeout_s
+        with self.db.transaction() as session:
+            self._check_lease(session)
+            now = self.db.now(session)
+            for host_id in hosts.dead_hosts_with_runtimes(session, now, timeout):
+                lost = hosts.runtimes_lost(session, host_id, now, "host stopped heartbeating")
+                log.warning("host %s is dead; %d workspaces will be re-placed", host_id, lost)
+
+    def _due(self) -> list[str]:
+        with self.db.transaction(write=False) as session:
+            now = self.db.now(session)
+            query = (
+                select(Workspace.id)
+                .where(Workspace.pending.is_(True))
+                .where((Workspace.next_attempt_at.is_(None)) | (Workspace.next_attempt_at <= now))
+                .order_by(Workspace.updated_at)
+                .limit(BATCH)
+            )
+            return list(session.execute(query).scalars())
+
+    async def _reconcile_guarded(self, workspace_id: str) -> None:
+        async with self._slots:
+            try:
+                await self.reconcile(workspace_id)
+            except LeaseLost:
+                log.info("lease lost while reconciling %s", workspace_id)
+            except Exception:
+                log.exception("reconciling %s failed", workspace_id)
+
+    async def reconcile(self, workspace_id: str) -> None:
+        """Take steps until the workspace settles, a step fails, or the budget runs out."""
+        for _ in range(MAX_STEPS):
+            work = await asyncio.to_thread(self._begin, workspace_id)
+            if work is None:
+                return
+            try:
+                await self._act(work)
+            except LeaseLost:
+                raise
+            except Exception as exc:
+                STEPS.labels(work.step.action, "error").inc()
+                await asyncio.to_thread(self._fail, work, exc)
+                return
+            STEPS.labels(work.step.action, "ok").inc()
+            if not await asyncio.to_thread(self._finish, work):
+                return
+
+    # ----------------------------------------------------------- transactions
+    def _begin(self, workspace_id: str) -> Work | None:
+        config = self.platform.config
+        with self.db.transaction() as session:
+            self._check_lease(session)
+            now = self.db.now(session)
+            ws = session.get(Workspace, workspace_id, with_for_update=True)
+            if ws is None:
+                return None
+            if ws.next_attempt_at is not None and ws.next_attempt_at > now:
+                return None
+            step = plan(WorkspaceState(ws.state), DesiredState(ws.desired_state))
+            if step is None:
+                ws.pending = False
+                return None
+            if step.enter is not None:
+                transition(session, ws, step.enter, now, f"{step.action} requested")
+            host = hosts.alive_agent(session, ws.host_id, now, config.agent_timeout_s)
+            if host is not None and host.boot_id != ws.host_boot_id:
+                host = None  # that boot's runtime is gone
+            if step.action is Action.PLACE and host is None:
+                chosen = least_loaded(hosts.host_loads(session, now, config.agent_timeout_s))
+                if chosen is None:
+                    ws.last_error = "no host is available"
+                    ws.attempts += 1
+                    ws.next_attempt_at = now + timedelta(seconds=retry_delay_s(ws.attempts))
+                    return None
+                host = hosts.alive_agent(session, chosen, now, config.agent_timeout_s)
+                assert host is not None
+                ws.host_id, ws.host_boot_id = host.id, host.boot_id  # recorded before acting
+            kernels = tuple(
+                (k.id, k.name)
+                for k in session.execute(
+                    select(Kernel).where(Kernel.workspace_id == ws.id).order_by(Kernel.created_at)
+                ).scalars()
+            )
+            return Work(ws.id, step, ws.generation, WorkspaceState(ws.state),
+                        host.url if host else None, kernels)
+
+    def _finish(self, work: Work) -> bool:
+        """Settle the step; True if the workspace still has work to do."""
+        with self.db.transaction() as session:
+            self._check_lease(session)
+            now = self.db.now(session)
+            ws = session.get(Workspace, work.workspace_id, with_for_update=True)
+            if ws is None or ws.state != work.expect_state:
+                return False
+            transition(session, ws, work.step.done, now, f"{work.step.action} done")
+            if work.step.action is not Action.PLACE:
+                ws.host_id = ws.host_boot_id = None
+            if work.step.action is Action.DESTROY:
+                for kernel in session.execute(
+                    select(Kernel).where(Kernel.workspace_id == ws.id)
+                ).scalars():
+                    session.delete(kernel)
+            ws.attempts = 0
+            ws.last_error = None
+            ws.next_attempt_at = None
+            return ws.pending
+
+    def _fail(self, work: Work, exc: Exception) -> None:
+        message = exc.detail if isinstance(exc, DomainError) else repr(exc)
+        log.warning("%s of %s failed: %s", work.step.action, work.workspace_id, message)
+        with self.db.transaction() as session:
+            self._check_lease(session)
+            now = self.db.now(session)
+            ws = session.get(Workspace, work.workspace_id, with_for_update=True)
+            if ws is None or ws.state != work.expect_state:
+                return
+            ws.attempts += 1
+            ws.last_error = f"{work.step.action} failed: {message}"[:2000]
+            delay = retry_delay_s(ws.attempts) * random.uniform(0.5, 1.0)
+            ws.next_attempt_at = now + timedelta(seconds=delay)
+            if work.step.action is Action.PLACE:
+                transition(session, ws, WorkspaceState.FAILED, now, ws.last_error)
+
+    # --------------------------------------------------------------- actions
+    async def _act(self, work: Work) -> None:
+        agents = self.platform.agents
+        if work.step.action is Action.PLACE:
+            assert work.host_url is not None
+            await agents.ensure_runtime(
+                work.host_url, work.workspace_id, work.generation,
+                [{"id": kid, "name": name} for kid, name in work.kernels],
+            )
+            return
+        if work.host_url is not None:
+            try:
+                await agents.release_runtime(work.host_url, work.workspace_id, work.generation)
+            except NotFound as exc:  # nothing there to release; a stale refusal is retried
+                log.info("release of %s: %s", work.workspace_id, exc.detail)
+        if work.step.action is Action.DESTROY:
+            await asyncio.to_thread(self.platform.files.delete_all, work.workspace_id)

@@ -1,0 +1,1 @@
+"""HTTP routers of the control plane, one per resource."""

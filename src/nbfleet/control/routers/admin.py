@@ -1,0 +1,49 @@
+"""``/v1/admin``: users and hosts. Ordinary callers get 404, as for any hidden resource."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel, ConfigDict
+from sqlalchemy import select
+
+from nbfleet.control import tenancy
+from nbfleet.control.auth import Principal
+from nbfleet.control.deps import platform_of, require_admin
+from nbfleet.control.workspaces import iso
+from nbfleet.db.tables import Agent
+
+router = APIRouter(prefix="/v1/admin", tags=["admin"])
+
+
+class CreateUser(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    org: str
+    project: str
+    admin: bool = False
+
+
+@router.post("/users", status_code=201, summary="Create a user and return its token (once)")
+async def create_user(body: CreateUser, request: Request,
+                      _: Principal = Depends(require_admin)) -> dict[str, Any]:
+    created = await asyncio.to_thread(
+        tenancy.create_user, platform_of(request).db, body.name, body.org, body.project, body.admin
+    )
+    return {"id": created.user_id, "name": body.name, "org": created.org,
+            "project": created.project, "token": created.token}
+
+
+@router.get("/agents", summary="Registered hosts")
+def list_agents(request: Request, _: Principal = Depends(require_admin)) -> dict[str, Any]:
+    with platform_of(request).db.transaction(write=False) as session:
+        agents = session.execute(select(Agent).order_by(Agent.id)).scalars()
+        return {
+            "items": [
+                {"id": a.id, "url": a.url, "boot_id": a.boot_id, "inventory": a.inventory,
+                 "last_heartbeat_at": iso(a.last_heartbeat_at)}
+                for a in agents
+            ]
+        }

@@ -1,0 +1,262 @@
+"""The Jupyter Kernel Gateway API, scoped to one workspace.
+
+A workspace's gateway URL is ``{base}/v1/workspaces/{id}``; point
+``jupyter server --gateway-url`` (or JupyterLab, VS Code, nbclient) at it. Frames on
+``/api/kernels/{id}/channels`` are relayed verbatim to the agent that runs the kernel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import websockets
+from fastapi import APIRouter, Depends, Request, Response, WebSocket
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict
+from sqlalchemy import select
+
+from nbfleet.control import hosts, workspaces
+from nbfleet.control.auth import Principal, resolve
+from nbfleet.control.deps import current_principal, platform_of, token_of
+from nbfleet.control.platform import Platform
+from nbfleet.db.tables import Agent, Kernel
+from nbfleet.model.errors import Conflict, DomainError, InvalidInput, NotFound
+from nbfleet.model.workspace import WorkspaceState
+
+log = logging.getLogger(__name__)
+router = APIRouter(prefix="/v1/workspaces/{workspace_id}", tags=["kernel gateway"])
+
+JUPYTER_FIELDS = ("id", "name", "last_activity", "execution_state", "connections")
+
+
+class StartKernel(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # GatewayClient also sends KERNEL_* env
+    name: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    host_url: str
+    generation: int
+    kernel_ids: tuple[str, ...]
+    specs: dict[str, Any]
+
+
+def _placement(platform: Platform, principal: Principal, workspace_id: str) -> Placement:
+    """Where the workspace runs now; 409 naming its state when it is not running."""
+    with platform.db.transaction(write=False) as session:
+        ws = workspaces.get_visible(session, principal, workspace_id)
+        if ws.state != WorkspaceState.RUNNING:
+            raise Conflict(f"workspace is {ws.state}; resume it to use kernels",
+                           current_state=ws.state)
+        now = platform.db.now(session)
+        agent = hosts.alive_agent(session, ws.host_id, now, platform.config.agent_timeout_s)
+        if agent is None or agent.boot_id != ws.host_boot_id:
+            raise Conflict("workspace runtime is being re-placed; retry shortly",
+                           current_state=ws.state)
+        kernel_ids = tuple(
+            session.execute(select(Kernel.id).where(Kernel.workspace_id == ws.id)).scalars()
+        )
+        specs = dict(agent.inventory.get("kernelspecs", {}))
+        return Placement(agent.url, ws.generation, kernel_ids, specs)
+
+
+def _any_specs(platform: Platform, principal: Principal, workspace_id: str) -> dict[str, Any]:
+    """Kernelspecs are listed even while suspended: from any host's inventory."""
+    with platform.db.transaction(write=False) as session:
+        workspaces.get_visible(session, principal, workspace_id)
+        for inventory in session.execute(select(Agent.inventory)).scalars():
+            if inventory.get("kernelspecs"):
+                return dict(inventory["kernelspecs"])
+    return {}
+
+
+def _jupyter_model(model: dict[str, Any]) -> dict[str, Any]:
+    return {key: model[key] for key in JUPYTER_FIELDS}
+
+
+def _default_spec(specs: dict[str, Any]) -> str:
+    return "python3" if "python3" in specs else next(iter(specs), "python3")
+
+
+@router.get("/api/kernelspecs", summary="List kernelspecs")
+async def list_kernelspecs(workspace_id: str, request: Request,
+                           principal: Principal = Depends(current_principal)) -> dict[str, Any]:
+    specs = await asyncio.to_thread(_any_specs, platform_of(request), principal, workspace_id)
+    return {"default": _default_spec(specs), "kernelspecs": specs}
+
+
+@router.get("/api/kernelspecs/{name}", summary="Get a kernelspec")
+async def get_kernelspec(workspace_id: str, name: str, request: Request,
+                         principal: Principal = Depends(current_principal)) -> dict[str, Any]:
+    specs = await asyncio.to_thread(_any_specs, platform_of(request), principal, workspace_id)
+    if name not in specs:
+        raise NotFound(f"no kernelspec {name!r}")
+    spec: dict[str, Any] = specs[name]
+    return spec
+
+
+@router.get("/kernelspecs/{name}/{path:path}", summary="Kernelspec resources (none served)")
+async def kernelspec_resource(workspace_id: str, name: str, path: str,
+                              principal: Principal = Depends(current_principal)) -> Response:
+    raise NotFound(f"kernelspec {name} has no resource {path}")
+
+
+@router.get("/api/kernels", summary="List the workspace's kernels")
+async def list_kernels(workspace_id: str, request: Request,
+                       principal: Principal = Depends(current_principal)) -> list[dict[str, Any]]:
+    platform = platform_of(request)
+    try:
+        where = await asyncio.to_thread(_placement, platform, principal, workspace_id)
+    except Conflict:
+        return []  # a suspended workspace has no live kernels
+    mine = set(where.kernel_ids)
+    models = await platform.agents.kernels(where.host_url)
+    return [_jupyter_model(m) for m in models if m["id"] in mine]
+
+
+@router.post("/api/kernels", status_code=201, summary="Start a kernel")
+async def start_kernel(workspace_id: str, request: Request, body: StartKernel | None = None,
+                       principal: Principal = Depends(current_principal)) -> JSONResponse:
+    platform = platform_of(request)
+    where = await asyncio.to_thread(_placement, platform, principal, workspace_id)
+    name = (body.name if body and body.name else None) or _default_spec(where.specs)
+    if name not in where.specs:
+        raise InvalidInput(f"unknown kernelspec {name!r}; available: {sorted(where.specs)}")
+    kernel_id = str(uuid.uuid4())
+    await asyncio.to_thread(_insert_kernel, platform, workspace_id, kernel_id, name)
+    try:
+        model = await platform.agents.add_kernel(where.host_url, workspace_id, where.generation,
+                                                 kernel_id, name)
+    except BaseException:
+        await asyncio.to_thread(_delete_kernel_row, platform, kernel_id)
+        raise
+    location = f"/v1/workspaces/{workspace_id}/api/kernels/{kernel_id}"
+    return JSONResponse(_jupyter_model(model), status_code=201, headers={"Location": location})
+
+
+def _insert_kernel(platform: Platform, workspace_id: str, kernel_id: str, name: str) -> None:
+    with platform.db.transaction() as session:
+        session.add(Kernel(id=kernel_id, workspace_id=workspace_id, name=name,
+                           created_at=platform.db.now(session)))
+
+
+def _delete_kernel_row(platform: Platform, kernel_id: str) -> None:
+    with platform.db.transaction() as session:
+        row = session.get(Kernel, kernel_id)
+        if row is not None:
+            session.delete(row)
+
+
+async def _kernel_host(platform: Platform, principal: Principal, workspace_id: str,
+                       kernel_id: str) -> str:
+    try:
+        where = await asyncio.to_thread(_placement, platform, principal, workspace_id)
+    except Conflict as exc:
+        raise NotFound(f"kernel {kernel_id} is not running: {exc.detail}") from exc
+    if kernel_id not in where.kernel_ids:
+        raise NotFound(f"kernel {kernel_id} not found")
+    return where.host_url
+
+
+@router.get("/api/kernels/{kernel_id}", summary="Get a kernel")
+async def get_kernel(workspace_id: str, kernel_id: str, request: Request,
+                     principal: Principal = Depends(current_principal)) -> dict[str, Any]:
+    platform = platform_of(request)
+    host = await _kernel_host(platform, principal, workspace_id, kernel_id)
+    return _jupyter_model(await platform.agents.kernel(host, kernel_id))
+
+
+@router.delete("/api/kernels/{kernel_id}", status_code=204, summary="Shut a kernel down")
+async def delete_kernel(workspace_id: str, kernel_id: str, request: Request,
+                        principal: Principal = Depends(current_principal)) -> Response:
+    platform = platform_of(request)
+    host = await _kernel_host(platform, principal, workspace_id, kernel_id)
+    with contextlib.suppress(NotFound):
+        await platform.agents.delete_kernel(host, kernel_id)
+    await asyncio.to_thread(_delete_kernel_row, platform, kernel_id)
+    return Response(status_code=204)
+
+
+@router.post("/api/kernels/{kernel_id}/interrupt", status_code=204, summary="Interrupt a kernel")
+async def interrupt_kernel(workspace_id: str, kernel_id: str, request: Request,
+                           principal: Principal = Depends(current_principal)) -> Response:
+    platform = platform_of(request)
+    host = await _kernel_host(platform, principal, workspace_id, kernel_id)
+    await platform.agents.interrupt(host, kernel_id)
+    return Response(status_code=204)
+
+
+@router.post("/api/kernels/{kernel_id}/restart", summary="Restart a kernel")
+async def restart_kernel(workspace_id: str, kernel_id: str, request: Request,
+                         principal: Principal = Depends(current_principal)) -> dict[str, Any]:
+    platform = platform_of(request)
+    host = await _kernel_host(platform, principal, workspace_id, kernel_id)
+    return _jupyter_model(await platform.agents.restart(host, kernel_id))
+
+
+@router.websocket("/api/kernels/{kernel_id}/channels")
+async def kernel_channels(websocket: WebSocket, workspace_id: str, kernel_id: str) -> None:
+    platform: Platform = websocket.app.state.platform
+    try:
+        principal = await asyncio.to_thread(_principal, platform, websocket)
+        host = await _kernel_host(platform, principal, workspace_id, kernel_id)
+    except DomainError as exc:
+        # 4xxx close codes carry the HTTP status the REST API would have given.
+        await websocket.close(code=4000 + exc.status, reason=exc.detail[:120])
+        return
+    upstream_url = platform.agents.channels_url(host, kernel_id)
+    try:
+        upstream = await websockets.connect(
+            upstream_url,
+            additional_headers={"Authorization": f"Bearer {platform.config.secret}"},
+            max_size=None,
+            compression=None,
+            open_timeout=10,
+        )
+    except (OSError, websockets.WebSocketException) as exc:
+        log.warning("cannot reach kernel %s on %s: %s", kernel_id, host, exc)
+        await websocket.close(code=1011, reason="kernel host unreachable")
+        return
+    await websocket.accept()
+    await _pump_both_ways(websocket, upstream)
+
+
+def _principal(platform: Platform, websocket: WebSocket) -> Principal:
+    with platform.db.transaction(write=False) as session:
+        return resolve(session, token_of(websocket.headers, websocket.query_params))
+
+
+async def _pump_both_ways(client: WebSocket, upstream: Any) -> None:
+    async def client_to_upstream() -> None:
+        while True:
+            event = await client.receive()
+            if event["type"] == "websocket.disconnect":
+                return
+            data = event.get("text")
+            await upstream.send(data if data is not None else event.get("bytes") or b"")
+
+    async def upstream_to_client() -> None:
+        async for frame in upstream:
+            if isinstance(frame, str):
+                await client.send_text(frame)
+            else:
+                await client.send_bytes(frame)
+
+    tasks = [asyncio.create_task(client_to_upstream()), asyncio.create_task(upstream_to_client())]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        await upstream.close()
+        with contextlib.suppress(Exception):
+            await client.close()

@@ -1,0 +1,120 @@
+"""``/v1/workspaces``: create, read, list, suspend, resume, delete, events."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from nbfleet.control import workspaces
+from nbfleet.control.auth import Principal
+from nbfleet.control.deps import current_principal, idempotent_reply, platform_of
+from nbfleet.db.tables import Workspace, WorkspaceEvent
+from nbfleet.model.workspace import DesiredState, WorkspaceState
+
+router = APIRouter(prefix="/v1/workspaces", tags=["workspaces"])
+
+
+class CreateWorkspace(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=200)
+
+
+@router.post("", status_code=201, summary="Create a workspace")
+def create_workspace(body: CreateWorkspace, request: Request,
+                     principal: Principal = Depends(current_principal)) -> JSONResponse:
+    db = platform_of(request).db
+
+    def action(session: Session) -> tuple[int, dict[str, Any]]:
+        ws = workspaces.create(session, principal, body.name, db.now(session))
+        session.flush()
+        return 201, workspaces.to_json(ws)
+
+    return idempotent_reply(request, principal, body.model_dump(), action)
+
+
+@router.get("", summary="List workspaces")
+def list_workspaces(
+    request: Request,
+    principal: Principal = Depends(current_principal),
+    limit: int = Query(50, ge=1, le=500),
+    after: str | None = Query(None, description="cursor: the last id of the previous page"),
+    state: WorkspaceState | None = None,
+) -> dict[str, Any]:
+    query = select(Workspace).order_by(Workspace.id).limit(limit + 1)
+    if not principal.is_admin:
+        query = query.where(Workspace.org_id == principal.org_id,
+                            Workspace.project_id == principal.project_id)
+    if after:
+        query = query.where(Workspace.id > after)
+    if state is not None:
+        query = query.where(Workspace.state == state)
+    else:
+        query = query.where(Workspace.state != WorkspaceState.DELETED)
+    with platform_of(request).db.transaction(write=False) as session:
+        rows = list(session.execute(query).scalars())
+    page = rows[:limit]
+    return {
+        "items": [workspaces.to_json(ws) for ws in page],
+        "next": page[-1].id if len(rows) > limit else None,
+    }
+
+
+@router.get("/{workspace_id}", summary="Get a workspace")
+def get_workspace(workspace_id: str, request: Request,
+                  principal: Principal = Depends(current_principal)) -> dict[str, Any]:
+    with platform_of(request).db.transaction(write=False) as session:
+        return workspaces.to_json(workspaces.get_visible(session, principal, workspace_id))
+
+
+@router.get("/{workspace_id}/events", summary="A workspace's state changes")
+def workspace_events(workspace_id: str, request: Request,
+                     principal: Principal = Depends(current_principal)) -> dict[str, Any]:
+    with platform_of(request).db.transaction(write=False) as session:
+        workspaces.get_visible(session, principal, workspace_id)
+        events = session.execute(
+            select(WorkspaceEvent)
+            .where(WorkspaceEvent.workspace_id == workspace_id)
+            .order_by(WorkspaceEvent.id)
+        ).scalars()
+        return {
+            "items": [
+                {"from": e.from_state, "to": e.to_state, "reason": e.reason,
+                 "at": workspaces.iso(e.created_at)}
+                for e in events
+            ]
+        }
+
+
+def _request_state(request: Request, principal: Principal, workspace_id: str,
+                   desired: DesiredState) -> JSONResponse:
+    db = platform_of(request).db
+
+    def action(session: Session) -> tuple[int, dict[str, Any]]:
+        ws = workspaces.get_visible(session, principal, workspace_id, for_update=True)
+        workspaces.request_state(ws, desired, db.now(session))
+        return 202, workspaces.to_json(ws)
+
+    return idempotent_reply(request, principal, {"desired": str(desired)}, action)
+
+
+@router.post("/{workspace_id}/suspend", status_code=202, summary="Suspend a workspace")
+def suspend_workspace(workspace_id: str, request: Request,
+                      principal: Principal = Depends(current_principal)) -> JSONResponse:
+    return _request_state(request, principal, workspace_id, DesiredState.SUSPENDED)
+
+
+@router.post("/{workspace_id}/resume", status_code=202, summary="Resume a workspace")
+def resume_workspace(workspace_id: str, request: Request,
+                     principal: Principal = Depends(current_principal)) -> JSONResponse:
+    return _request_state(request, principal, workspace_id, DesiredState.RUNNING)
+
+
+@router.delete("/{workspace_id}", status_code=202, summary="Delete a workspace")
+def delete_workspace(workspace_id: str, request: Request,
+                     principal: Principal = Depends(current_principal)) -> JSONResponse:
+    return _request_state(request, principal, workspace_id, DesiredState.DELETED)

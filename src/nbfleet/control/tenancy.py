@@ -1,0 +1,108 @@
+"""Orgs, projects and users, and the first admin of a fresh installation."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from nbfleet.control.auth import hash_token, new_token
+from nbfleet.db.engine import Database
+from nbfleet.db.ids import new_id
+from nbfleet.db.tables import ApiToken, Org, Project, User
+from nbfleet.model.errors import Conflict, InvalidInput
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+ADMIN_ORG = "system"
+
+
+def check_name(kind: str, name: str) -> str:
+    if not _NAME.match(name):
+        raise InvalidInput(
+            f"invalid {kind} name {name!r}: use 1-63 letters, digits, '.', '_' or '-'",
+            field=kind,
+        )
+    return name
+
+
+@dataclass(frozen=True, slots=True)
+class CreatedUser:
+    user_id: str
+    org: str
+    project: str
+    token: str
+
+
+def _org(session: Session, name: str, now: datetime) -> Org:
+    org = session.execute(select(Org).where(Org.name == name)).scalar_one_or_none()
+    if org is None:
+        org = Org(id=new_id("org"), name=name, created_at=now)
+        session.add(org)
+        session.flush()
+    return org
+
+
+def _project(session: Session, org: Org, name: str, now: datetime) -> Project:
+    project = session.execute(
+        select(Project).where(Project.org_id == org.id, Project.name == name)
+    ).scalar_one_or_none()
+    if project is None:
+        project = Project(id=new_id("prj"), org_id=org.id, name=name, created_at=now)
+        session.add(project)
+        session.flush()
+    return project
+
+
+def create_user(db: Database, name: str, org_name: str, project_name: str,
+                is_admin: bool = False, token: str | None = None) -> CreatedUser:
+    for kind, value in (("user", name), ("org", org_name), ("project", project_name)):
+        check_name(kind, value)
+    token = token or new_token()
+    with db.transaction() as session:
+        now = db.now(session)
+        org = _org(session, org_name, now)
+        project = _project(session, org, project_name, now)
+        exists = session.execute(
+            select(User.id).where(User.org_id == org.id, User.name == name)
+        ).first()
+        if exists:
+            raise Conflict(f"user {name!r} already exists in org {org_name!r}")
+        user = User(id=new_id("usr"), org_id=org.id, project_id=project.id, name=name,
+                    is_admin=is_admin, created_at=now)
+        session.add(user)
+        session.flush()
+        session.add(ApiToken(id=new_id("tok"), user_id=user.id, token_hash=hash_token(token),
+                             created_at=now))
+    return CreatedUser(user.id, org_name, project_name, token)
+
+
+def ensure_admin(db: Database, token_path: str) -> str:
+    """Return the admin token kept in ``token_path`` (mode 0600), creating it if needed."""
+    if os.path.exists(token_path):
+        with open(token_path) as handle:
+            token = handle.read().strip()
+        with db.transaction(write=False) as session:
+            known = session.execute(
+                select(ApiToken.id).where(ApiToken.token_hash == hash_token(token))
+            ).first()
+        if known:
+            return token
+    token = new_token()
+    with db.transaction(write=False) as session:
+        admins = session.execute(select(User).where(User.is_admin.is_(True))).scalars().all()
+    name = "admin" if not admins else f"admin-{len(admins) + 1}"
+    create_user(db, name, ADMIN_ORG, "default", is_admin=True, token=token)
+    write_secret(token_path, token)
+    return token
+
+
+def write_secret(path: str, value: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(value + "\n")
+    os.chmod(path, 0o600)

@@ -1,0 +1,96 @@
+"""Workspace rows: tenant-scoped lookup, desired-state requests and audited transitions."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from nbfleet.control.auth import Principal
+from nbfleet.db.ids import new_id
+from nbfleet.db.tables import Workspace, WorkspaceEvent
+from nbfleet.model.errors import NotFound
+from nbfleet.model.workspace import (
+    DesiredState,
+    WorkspaceState,
+    check_request,
+    check_transition,
+    is_settled,
+)
+
+
+def iso(moment: datetime | None) -> str | None:
+    return moment.isoformat().replace("+00:00", "Z") if moment else None
+
+
+def to_json(ws: Workspace) -> dict[str, Any]:
+    return {
+        "id": ws.id,
+        "name": ws.name,
+        "state": ws.state,
+        "desired_state": ws.desired_state,
+        "generation": ws.generation,
+        "host_id": ws.host_id,
+        "last_error": ws.last_error,
+        "created_at": iso(ws.created_at),
+        "updated_at": iso(ws.updated_at),
+    }
+
+
+def get_visible(session: Session, principal: Principal, workspace_id: str,
+                for_update: bool = False) -> Workspace:
+    """The workspace if this principal may see it; 404 otherwise (no existence leak)."""
+    query = select(Workspace).where(Workspace.id == workspace_id)
+    if for_update:
+        query = query.with_for_update()
+    ws = session.execute(query).scalar_one_or_none()
+    if ws is None or not principal.can_see(ws.org_id, ws.project_id):
+        raise NotFound(f"workspace {workspace_id} not found")
+    return ws
+
+
+def create(session: Session, principal: Principal, name: str, now: datetime) -> Workspace:
+    ws = Workspace(
+        id=new_id("ws"),
+        org_id=principal.org_id,
+        project_id=principal.project_id,
+        owner_id=principal.user_id,
+        name=name,
+        state=WorkspaceState.CREATING,
+        desired_state=DesiredState.RUNNING,
+        generation=1,
+        pending=True,
+        attempts=0,
+        created_at=now,
+        updated_at=now,
+    )
+    session.add(ws)
+    session.add(WorkspaceEvent(workspace_id=ws.id, from_state=None, to_state=ws.state,
+                               reason="created", created_at=now))
+    return ws
+
+
+def request_state(ws: Workspace, desired: DesiredState, now: datetime) -> None:
+    """Record a new desired state; a repeat of the current one changes nothing."""
+    check_request(WorkspaceState(ws.state), desired)
+    if ws.desired_state == desired:
+        return
+    ws.desired_state = desired
+    ws.generation += 1
+    ws.pending = True
+    ws.attempts = 0
+    ws.next_attempt_at = None
+    ws.updated_at = now
+
+
+def transition(session: Session, ws: Workspace, new: WorkspaceState, now: datetime,
+               reason: str | None = None) -> None:
+    old = WorkspaceState(ws.state)
+    check_transition(old, new)
+    ws.state = new
+    ws.updated_at = now
+    ws.pending = not is_settled(new, DesiredState(ws.desired_state))
+    session.add(WorkspaceEvent(workspace_id=ws.id, from_state=old, to_state=new, reason=reason,
+                               created_at=now))

@@ -1,0 +1,1 @@
+"""SQLAlchemy tables, sessions and migrations for the metadata DB."""

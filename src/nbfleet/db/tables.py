@@ -1,0 +1,139 @@
+"""The metadata DB schema, in SQLAlchemy 2's typed declarative style.
+
+Alembic migrations in ``db/migrations`` are generated from these classes.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from nbfleet.db.types import UTCDateTime
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {datetime: UTCDateTime, dict[str, Any]: JSON}
+
+
+class Org(Base):
+    __tablename__ = "orgs"
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    name: Mapped[str] = mapped_column(String(100), unique=True)
+    created_at: Mapped[datetime]
+
+
+class Project(Base):
+    __tablename__ = "projects"
+    __table_args__ = (UniqueConstraint("org_id", "name"),)
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    org_id: Mapped[str] = mapped_column(ForeignKey("orgs.id"))
+    name: Mapped[str] = mapped_column(String(100))
+    created_at: Mapped[datetime]
+
+
+class User(Base):
+    __tablename__ = "users"
+    __table_args__ = (UniqueConstraint("org_id", "name"),)
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    org_id: Mapped[str] = mapped_column(ForeignKey("orgs.id"))
+    project_id: Mapped[str] = mapped_column(ForeignKey("projects.id"))
+    name: Mapped[str] = mapped_column(String(100))
+    is_admin: Mapped[bool] = mapped_column(default=False)
+    created_at: Mapped[datetime]
+
+
+class ApiToken(Base):
+    """Only the SHA-256 of a token is stored; tokens carry 256 random bits."""
+
+    __tablename__ = "api_tokens"
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    user_id: Mapped[str] = mapped_column(ForeignKey("users.id"), index=True)
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime]
+    revoked_at: Mapped[datetime | None]
+
+
+class Workspace(Base):
+    __tablename__ = "workspaces"
+    __table_args__ = (
+        Index("ix_workspaces_tenant", "org_id", "project_id", "id"),
+        Index("ix_workspaces_pending", "pending", "next_attempt_at"),
+    )
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    org_id: Mapped[str] = mapped_column(ForeignKey("orgs.id"))
+    project_id: Mapped[str] = mapped_column(ForeignKey("projects.id"))
+    owner_id: Mapped[str] = mapped_column(ForeignKey("users.id"))
+    name: Mapped[str] = mapped_column(String(200))
+    state: Mapped[str] = mapped_column(String(20))
+    desired_state: Mapped[str] = mapped_column(String(20))
+    #: Bumped on every desired-state change; agents refuse commands older than the last seen.
+    generation: Mapped[int] = mapped_column(Integer, default=1)
+    #: True while state and desired state disagree: the reconciler's work list.
+    pending: Mapped[bool] = mapped_column(default=True)
+    host_id: Mapped[str | None] = mapped_column(String(40), index=True)
+    host_boot_id: Mapped[str | None] = mapped_column(String(40))
+    last_error: Mapped[str | None] = mapped_column(Text)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    next_attempt_at: Mapped[datetime | None]
+    created_at: Mapped[datetime]
+    updated_at: Mapped[datetime]
+
+
+class WorkspaceEvent(Base):
+    """One row per state change: the audit trail of a workspace."""
+
+    __tablename__ = "workspace_events"
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    workspace_id: Mapped[str] = mapped_column(ForeignKey("workspaces.id"), index=True)
+    from_state: Mapped[str | None] = mapped_column(String(20))
+    to_state: Mapped[str] = mapped_column(String(20))
+    reason: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime]
+
+
+class Kernel(Base):
+    """A kernel belongs to a workspace and outlives its processes across suspend/resume."""
+
+    __tablename__ = "kernels"
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)  # a UUID, as Jupyter expects
+    workspace_id: Mapped[str] = mapped_column(ForeignKey("workspaces.id"), index=True)
+    name: Mapped[str] = mapped_column(String(100))
+    created_at: Mapped[datetime]
+
+
+class Agent(Base):
+    __tablename__ = "agents"
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    url: Mapped[str] = mapped_column(String(300))
+    #: Changes on every agent start: a new boot means its old runtimes are gone.
+    boot_id: Mapped[str] = mapped_column(String(40))
+    inventory: Mapped[dict[str, Any]]
+    registered_at: Mapped[datetime]
+    last_heartbeat_at: Mapped[datetime]
+
+
+class IdempotencyKey(Base):
+    """Stripe-style idempotency: the first response to a key is stored and replayed."""
+
+    __tablename__ = "idempotency_keys"
+    owner_id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    key: Mapped[str] = mapped_column(String(255), primary_key=True)
+    request_hash: Mapped[str] = mapped_column(String(64))
+    status_code: Mapped[int | None] = mapped_column(Integer)
+    response: Mapped[dict[str, Any] | None]
+    #: An unfinished claim may be taken over after this (its holder crashed).
+    locked_until: Mapped[datetime]
+    created_at: Mapped[datetime]
+
+
+class Lease(Base):
+    """A named lease with a fencing token, so one replica runs a singleton loop."""
+
+    __tablename__ = "leases"
+    name: Mapped[str] = mapped_column(String(100), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(100))
+    token: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"))
+    expires_at: Mapped[datetime]

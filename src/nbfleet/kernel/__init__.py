@@ -1,0 +1,1 @@
+"""Code loaded inside user kernels (issue 4)."""

@@ -1,0 +1,1 @@
+"""Credit ledger (issue 5)."""

@@ -1,0 +1,50 @@
+"""Host inventory: CPUs, memory and typed GPUs, as an agent declares them."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from nbfleet.model.errors import InvalidInput
+
+_GPU_SPEC = re.compile(r"^(?P<count>\d+)x(?P<type>[A-Za-z0-9]+)-(?P<vram>\d+)GB$")
+
+
+@dataclass(frozen=True, slots=True)
+class GpuGroup:
+    """``count`` identical GPUs of one type."""
+
+    count: int
+    gpu_type: str
+    vram_gb: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.count}x{self.gpu_type}-{self.vram_gb}GB"
+
+
+@dataclass(frozen=True, slots=True)
+class HostInventory:
+    millicpus: int
+    memory_mb: int
+    gpus: tuple[GpuGroup, ...] = ()
+
+    @property
+    def gpu_count(self) -> int:
+        return sum(group.count for group in self.gpus)
+
+
+def parse_gpu_spec(spec: str) -> tuple[GpuGroup, ...]:
+    """Parse ``"4xA100-80GB,2xH100-80GB"``; an empty string declares no GPUs."""
+    groups: list[GpuGroup] = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        match = _GPU_SPEC.match(part)
+        if match is None:
+            raise InvalidInput(
+                f"invalid GPU spec {part!r}: expected COUNTxTYPE-VRAMGB, e.g. 4xA100-80GB"
+            )
+        count = int(match["count"])
+        if count == 0:
+            raise InvalidInput(f"invalid GPU spec {part!r}: count must be at least 1")
+        groups.append(GpuGroup(count, match["type"], int(match["vram"])))
+    return tuple(groups)

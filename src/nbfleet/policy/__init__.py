@@ -1,0 +1,1 @@
+"""Pure scheduling policies, shared by the live scheduler and the simulator."""

@@ -1,0 +1,1 @@
+"""Client helpers for talking to nbfleet (used by the CLI, tests and benchmarks)."""

@@ -1,0 +1,1 @@
+"""Blob store and workspace files: the source of truth for user data."""

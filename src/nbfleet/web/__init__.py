@@ -1,0 +1,1 @@
+"""HTTP plumbing shared by the agent and the control plane (below both in the layers)."""

@@ -1,0 +1,67 @@
+"""RFC 9457 problem details for every error an nbfleet HTTP API returns."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from nbfleet.model.errors import DomainError
+
+PROBLEM_JSON = "application/problem+json"
+
+
+def problem(status: int, title: str, detail: str, instance: str = "", **extra: Any) -> JSONResponse:
+    body: dict[str, Any] = {
+        "type": f"https://nbfleet.dev/problems/{title.lower().replace(' ', '-')}",
+        "title": title,
+        "status": status,
+        "detail": detail,
+    }
+    if instance:
+        body["instance"] = instance
+    body.update(extra)
+    return JSONResponse(body, status_code=status, media_type=PROBLEM_JSON)
+
+
+def install_problem_handlers(app: FastAPI) -> None:
+    async def on_domain(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, DomainError)
+        return problem(exc.status, exc.title, exc.detail, request.url.path, **exc.extra)
+
+    async def on_validation(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        errors = [
+            {"loc": list(err.get("loc", ())), "msg": err.get("msg", ""), "type": err.get("type")}
+            for err in exc.errors()
+        ]
+        first = errors[0] if errors else {"loc": [], "msg": "invalid request"}
+        where = ".".join(str(part) for part in first["loc"])
+        return problem(422, "Unprocessable content", f"{where}: {first['msg']}",
+                       request.url.path, errors=errors)
+
+    async def on_http(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, HTTPException)
+        title = {401: "Unauthorized", 403: "Forbidden", 404: "Not found",
+                 405: "Method not allowed", 429: "Too many requests"}.get(exc.status_code, "Error")
+        response = problem(exc.status_code, title, str(exc.detail), request.url.path)
+        for name, value in (exc.headers or {}).items():
+            response.headers[name] = value
+        return response
+
+    app.add_exception_handler(DomainError, on_domain)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(HTTPException, on_http)
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    """Accept ``Bearer <t>`` and Jupyter's ``token <t>``."""
+    if not authorization:
+        return None
+    scheme, _, value = authorization.partition(" ")
+    if scheme.lower() in ("bearer", "token") and value.strip():
+        return value.strip()
+    return None
