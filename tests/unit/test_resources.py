@@ -12,15 +12,15 @@ from nbfleet.model.resources import GpuGroup, HostInventory, parse_gpu_spec
 
 def test_parses_several_groups() -> None:
     assert parse_gpu_spec("4xA100-80GB,2xH100-80GB") == (
-        GpuGroup(4, "A100", 80),
-        GpuGroup(2, "H100", 80),
+        GpuGroup(4, "A100-80GB", 80),
+        GpuGroup(2, "H100-80GB", 80),
     )
 
 
 def test_tolerates_spaces_and_stray_commas() -> None:
     assert parse_gpu_spec(" 1xL4-24GB , ,8xH200-141GB,") == (
-        GpuGroup(1, "L4", 24),
-        GpuGroup(8, "H200", 141),
+        GpuGroup(1, "L4-24GB", 24),
+        GpuGroup(8, "H200-141GB", 141),
     )
 
 
@@ -66,15 +66,14 @@ def test_rejects_zero_count(zero: str) -> None:
     assert "0x" in info.value.detail
 
 
-groups_st = st.lists(
-    st.builds(
-        GpuGroup,
-        count=st.integers(min_value=1, max_value=10_000),
-        gpu_type=st.from_regex(r"[A-Za-z0-9]{1,12}", fullmatch=True),
-        vram_gb=st.integers(min_value=0, max_value=100_000),
-    ),
-    max_size=6,
-)
+@st.composite
+def gpu_groups(draw: st.DrawFn) -> GpuGroup:
+    model = draw(st.from_regex(r"[A-Za-z0-9]{1,12}", fullmatch=True))
+    vram = draw(st.integers(min_value=0, max_value=100_000))
+    return GpuGroup(draw(st.integers(min_value=1, max_value=10_000)), f"{model}-{vram}GB", vram)
+
+
+groups_st = st.lists(gpu_groups(), max_size=6)
 
 
 @given(groups=groups_st)

@@ -124,20 +124,29 @@ class KernelProcess:
         await self._wait_ready()
 
     async def _wait_ready(self) -> None:
-        """Nudge with kernel_info until both shell and iopub answer (late-joiner safe)."""
+        """Nudge with kernel_info until shell answers and iopub delivers (late-joiner safe).
+
+        One nudge at a time: the next is sent only after the shell reply to the last
+        (or a timeout), so a slow kernel is never flooded with requests.
+        """
         self._ready.clear()
-        self._shell_seen.clear()
         self._iopub_seen.clear()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + READY_TIMEOUT_S
-        while not (self._shell_seen.is_set() and self._iopub_seen.is_set()):
+        while True:
             if loop.time() > deadline:
                 raise TimeoutError(f"kernel {self.id} did not become ready")
             if not await self.manager.is_alive():
                 raise RuntimeError(f"kernel {self.id} exited during start-up")
+            self._shell_seen.clear()
             self._send_internal("kernel_info_request")
-            with contextlib.suppress(TimeoutError):
+            try:
+                await asyncio.wait_for(self._shell_seen.wait(), 1.0)
+                # The reply's iopub status follows it; give the subscription a moment.
                 await asyncio.wait_for(self._iopub_seen.wait(), 0.2)
+                break
+            except TimeoutError:
+                continue
         self.execution_state = "idle"
         self._ready.set()
 

@@ -5,29 +5,22 @@ from __future__ import annotations
 import asyncio
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
 from rich.panel import Panel
 
-from nbfleet.agent.service import AgentConfig
 from nbfleet.cli import users, ws
 from nbfleet.cli.home import DEFAULT_PORT, home_dir, sqlite_url
-from nbfleet.cli.servers import (
-    Serving,
-    _Server,
-    agent_server,
-    bind,
-    configure_logging,
-    load_or_create_secret,
-    serve_all,
-    uvicorn_config,
-)
-from nbfleet.control.app import create_app
-from nbfleet.control.platform import ControlConfig
-from nbfleet.control.tenancy import ensure_admin, write_secret
 from nbfleet.model.errors import DomainError
 from nbfleet.model.resources import parse_gpu_spec
+
+if TYPE_CHECKING:
+    from nbfleet.cli.servers import Serving
+
+# The server stack (FastAPI, SQLAlchemy, jupyter_client) is imported inside the
+# server commands only, so client commands like `nbfleet ws list` start fast.
 
 app = typer.Typer(
     help="nbfleet: GPU-efficient hosted notebooks and GPU jobs.",
@@ -53,6 +46,11 @@ def _check_gpus(gpus: str) -> None:
 
 def _control(home: Path, db: str | None, blobs: str | None, secret: str | None,
              host: str, port: int, log_level: str) -> tuple[Serving, str, str]:
+    from nbfleet.cli.servers import Serving, _Server, bind, load_or_create_secret, uvicorn_config
+    from nbfleet.control.app import create_app
+    from nbfleet.control.platform import ControlConfig
+    from nbfleet.control.tenancy import ensure_admin, write_secret
+
     home.mkdir(parents=True, exist_ok=True)
     secret = secret or load_or_create_secret(home / "cluster-secret")
     config = ControlConfig(db_url=db or sqlite_url(home), blobs_url=blobs or str(home / "blobs"),
@@ -85,6 +83,14 @@ def up(
     log_level: str = LOG_OPT,
 ) -> None:
     """Run the whole platform on this machine: control plane + one agent, SQLite, local blobs."""
+    from nbfleet.agent.service import AgentConfig
+    from nbfleet.cli.servers import (
+        agent_server,
+        configure_logging,
+        load_or_create_secret,
+        serve_all,
+    )
+
     configure_logging(log_level)
     _check_gpus(gpus)
     state = home_dir(home)
@@ -113,6 +119,8 @@ def control(
     log_level: str = LOG_OPT,
 ) -> None:
     """Run the control plane alone (agents join with `nbfleet agent`)."""
+    from nbfleet.cli.servers import configure_logging, serve_all
+
     configure_logging(log_level)
     state = home_dir(home)
     serving, url, token = _control(state, db, blobs, secret, host, port, log_level)
@@ -133,6 +141,9 @@ def agent(
     log_level: str = LOG_OPT,
 ) -> None:
     """Run one agent (host) that registers with a control plane."""
+    from nbfleet.agent.service import AgentConfig
+    from nbfleet.cli.servers import agent_server, configure_logging, serve_all
+
     configure_logging(log_level)
     _check_gpus(gpus)
     state = home_dir(home)

@@ -12,7 +12,11 @@ _GPU_SPEC = re.compile(r"^(?P<count>\d+)x(?P<type>[A-Za-z0-9]+)-(?P<vram>\d+)GB$
 
 @dataclass(frozen=True, slots=True)
 class GpuGroup:
-    """``count`` identical GPUs of one type."""
+    """``count`` identical GPUs of one type, e.g. 4 of ``A100-80GB``.
+
+    The type names the VRAM variant too, because an A100-40GB and an A100-80GB are
+    priced and placed differently.
+    """
 
     count: int
     gpu_type: str
@@ -20,7 +24,7 @@ class GpuGroup:
 
     @property
     def label(self) -> str:
-        return f"{self.count}x{self.gpu_type}-{self.vram_gb}GB"
+        return f"{self.count}x{self.gpu_type}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,5 +50,6 @@ def parse_gpu_spec(spec: str) -> tuple[GpuGroup, ...]:
         count = int(match["count"])
         if count == 0:
             raise InvalidInput(f"invalid GPU spec {part!r}: count must be at least 1")
-        groups.append(GpuGroup(count, match["type"], int(match["vram"])))
+        vram = int(match["vram"])
+        groups.append(GpuGroup(count, f"{match['type']}-{vram}GB", vram))
     return tuple(groups)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import nbformat
-
 from nbfleet.model.errors import InvalidInput
 from nbfleet.storage.blobs import BlobInfo, BlobStore
 from nbfleet.storage.paths import confine
@@ -23,6 +21,8 @@ def files_prefix(workspace_id: str) -> str:
 
 def validate_notebook(path: str, data: bytes) -> None:
     """Refuse a ``.ipynb`` that nbformat cannot read or that fails its schema."""
+    import nbformat  # costs ~1 s (jsonschema) to import: only when a notebook arrives
+
     try:
         notebook = nbformat.reads(data.decode("utf-8"), as_version=4)  # type: ignore[no-untyped-call]
         nbformat.validate(notebook)

@@ -1,0 +1,40 @@
+# Two commands on a fresh machine: `make up` runs nbfleet, `make test` passes the tests.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: up test check unit bench clean
+
+$(STAMP): pyproject.toml requirements.lock
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip uv
+	$(BIN)/uv pip install --quiet --python $(BIN)/python -r requirements.lock
+	$(BIN)/uv pip install --quiet --python $(BIN)/python --no-deps -e .
+	touch $(STAMP)
+
+## Run the whole platform (control plane + one agent, SQLite, blobs under ./.nbfleet).
+up: $(STAMP)
+	$(BIN)/nbfleet up
+
+## Lint, type-check, then the whole suite on SQLite, and again on PostgreSQL when
+## NBFLEET_TEST_PG names a server (e.g. postgresql://postgres@127.0.0.1:5432/postgres).
+test: check
+	$(BIN)/python -m pytest
+	@if [ -n "$$NBFLEET_TEST_PG" ]; then \
+		echo "== the suite again, on PostgreSQL ($$NBFLEET_TEST_PG)"; \
+		$(BIN)/python -m pytest; \
+	fi
+
+check: $(STAMP)
+	$(BIN)/ruff check src tests bench
+	$(BIN)/mypy
+
+unit: $(STAMP)
+	$(BIN)/python -m pytest tests/unit
+
+bench: $(STAMP)
+	$(BIN)/python bench/cell_overhead.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

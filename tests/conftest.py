@@ -1,0 +1,66 @@
+"""Shared fixtures: a database per test or module (SQLite, or PostgreSQL when
+``NBFLEET_TEST_PG`` is set) and running nbfleet clusters."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.cluster import Cluster
+
+PG_ADMIN_URL = os.environ.get("NBFLEET_TEST_PG")
+
+
+@contextlib.contextmanager
+def fresh_database(directory: Path) -> Iterator[str]:
+    """A new, empty database, dropped afterwards."""
+    if not PG_ADMIN_URL:
+        yield f"sqlite:///{directory / 'nbfleet.db'}"
+        return
+    import psycopg
+
+    name = f"nbf_test_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield f"{PG_ADMIN_URL.rsplit('/', 1)[0]}/{name}"
+    finally:
+        with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@contextlib.contextmanager
+def running_cluster(root: Path) -> Iterator[Cluster]:
+    with fresh_database(root) as url:
+        cluster = Cluster(root, url)
+        try:
+            cluster.start_control()
+            cluster.start_agent()
+            yield cluster
+        finally:
+            cluster.stop()
+
+
+@pytest.fixture
+def db_url(tmp_path: Path) -> Iterator[str]:
+    with fresh_database(tmp_path) as url:
+        yield url
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    """A private control plane + agent, for tests that kill or restart processes."""
+    with running_cluster(tmp_path) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def shared_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """One control plane + agent shared by a module's non-destructive tests."""
+    with running_cluster(tmp_path_factory.mktemp("cluster")) as running:
+        yield running

@@ -1,0 +1,148 @@
+"""kill -9 of the control plane or an agent, mid-transition: nothing is lost or stuck."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from nbfleet.sdk.kernel_socket import KernelSocket
+from tests.support.cluster import Cluster, create_running, wait_state, wait_until
+
+SLOW_RELEASE = {"NBFLEET_FAULT_RELEASE_DELAY_S": "3"}
+
+
+async def _run(cluster: Cluster, ws: str, kernel: str, token: str, code: str) -> str:
+    sock = await KernelSocket.connect(cluster.channels_url(ws, kernel), token)
+    try:
+        result = await sock.execute(code)
+        return result.stdout if result.status == "ok" else str(result.error_name)
+    finally:
+        await sock.close()
+
+
+def _events(client, ws: str) -> list[tuple[str | None, str]]:  # type: ignore[no-untyped-def]
+    items = client.get(f"/v1/workspaces/{ws}/events").json()["items"]
+    return [(e["from"], e["to"]) for e in items]
+
+
+def test_kill_control_mid_suspend_converges_to_suspended(tmp_path: Path, db_url: str) -> None:
+    cluster = Cluster(tmp_path, db_url)
+    try:
+        cluster.start_control()
+        cluster.start_agent(env=SLOW_RELEASE)
+        client = cluster.new_user()
+        ws = create_running(client)
+        kernel = client.post(f"/v1/workspaces/{ws}/api/kernels", json={}).json()["id"]
+        token = client.headers["Authorization"].split()[1]
+        assert asyncio.run(_run(cluster, ws, kernel, token,
+                                "open('out.txt','w').write('kept'); print(1)")) == "1\n"
+
+        client.post(f"/v1/workspaces/{ws}/suspend")
+        wait_state(client, ws, "suspending")
+        cluster.kill_control()  # the agent is still holding the release open
+
+        cluster.start_control()
+        body = wait_state(client, ws, "suspended", timeout=60)
+        assert body["host_id"] is None and body["last_error"] is None
+        assert _events(client, ws)[-2:] == [("running", "suspending"), ("suspending", "suspended")]
+        assert client.get(f"/v1/workspaces/{ws}/files/out.txt").content == b"kept"
+        # The runtime really is gone from the host: no kernel processes left behind.
+        agents = cluster.admin().get("/v1/admin/agents").json()["items"]
+        host = agents[0]["url"]
+        secret = (cluster.home / "cluster-secret").read_text().strip()
+        import httpx
+
+        left = httpx.get(f"{host}/agent/v1/kernels", headers={"Authorization": f"Bearer {secret}"})
+        assert left.json() == []
+        # And it resumes normally afterwards.
+        client.post(f"/v1/workspaces/{ws}/resume")
+        wait_state(client, ws, "running")
+    finally:
+        cluster.stop()
+
+
+def test_control_restart_adopts_running_kernels(cluster: Cluster) -> None:
+    client = cluster.new_user()
+    ws = create_running(client)
+    kernel = client.post(f"/v1/workspaces/{ws}/api/kernels", json={}).json()["id"]
+    token = client.headers["Authorization"].split()[1]
+    assert asyncio.run(_run(cluster, ws, kernel, token,
+                            "import os; pid = os.getpid(); state = 'alive'; print(pid)"))
+    before = asyncio.run(_run(cluster, ws, kernel, token, "print(pid)"))
+
+    cluster.kill_control()
+    cluster.start_control()
+
+    assert asyncio.run(_run(cluster, ws, kernel, token, "print(pid, state)")) == \
+        f"{before.strip()} alive\n"
+    assert client.get(f"/v1/workspaces/{ws}").json()["state"] == "running"
+    assert _events(client, ws)[-1] == ("creating", "running")  # no re-placement happened
+
+
+def test_kill_agent_while_running_replaces_the_runtime(cluster: Cluster) -> None:
+    client = cluster.new_user()
+    ws = create_running(client)
+    client.put(f"/v1/workspaces/{ws}/files/keep.txt", content=b"safe in the blob store")
+    kernel = client.post(f"/v1/workspaces/{ws}/api/kernels", json={}).json()["id"]
+    token = client.headers["Authorization"].split()[1]
+    asyncio.run(_run(cluster, ws, kernel, token, "v = 1"))
+
+    cluster.kill_agent()  # the host dies with its kernels
+    cluster.start_agent()  # comes back with a new boot id
+
+    def replaced() -> bool:
+        events = _events(client, ws)
+        return ("running", "resuming") in events and events[-1] == ("resuming", "running")
+
+    wait_until(replaced, 60, what="re-placement after the agent restart")
+    assert asyncio.run(_run(cluster, ws, kernel, token,
+                            "print(open('keep.txt').read())")) == "safe in the blob store\n"
+    assert asyncio.run(_run(cluster, ws, kernel, token, "print(v)")) == "NameError"
+
+
+def test_kill_agent_mid_suspend_still_suspends(tmp_path: Path, db_url: str) -> None:
+    cluster = Cluster(tmp_path, db_url)
+    try:
+        cluster.start_control()
+        cluster.start_agent(env=SLOW_RELEASE)
+        client = cluster.new_user()
+        ws = create_running(client)
+        client.put(f"/v1/workspaces/{ws}/files/keep.txt", content=b"x")
+        client.post(f"/v1/workspaces/{ws}/suspend")
+        wait_state(client, ws, "suspending")
+        cluster.kill_agent()
+        cluster.start_agent()
+        wait_state(client, ws, "suspended", timeout=60)
+        assert client.get(f"/v1/workspaces/{ws}/files/keep.txt").content == b"x"
+        client.post(f"/v1/workspaces/{ws}/resume")
+        wait_state(client, ws, "running")
+    finally:
+        cluster.stop()
+
+
+def test_two_control_planes_do_not_double_apply(tmp_path: Path, db_url: str) -> None:
+    """Two replicas on one DB: the lease lets one reconcile; every step happens once."""
+    cluster = Cluster(tmp_path, db_url)
+    twin = Cluster(tmp_path / "twin", db_url)
+    try:
+        cluster.start_control()
+        twin.home = cluster.home  # same secrets and admin token, second port
+        twin.start_control()
+        cluster.start_agent()
+        client = cluster.new_user()
+        other_door = twin.client(client.headers["Authorization"].split()[1])
+        ids = [client.post("/v1/workspaces", json={"name": f"w{i}"}).json()["id"]
+               for i in range(6)]
+        for ws in ids:
+            wait_state(client, ws, "running")
+        for i, ws in enumerate(ids):
+            (client if i % 2 else other_door).post(f"/v1/workspaces/{ws}/suspend")
+        for ws in ids:
+            wait_state(other_door, ws, "suspended")
+            assert _events(client, ws) == [
+                (None, "creating"), ("creating", "running"),
+                ("running", "suspending"), ("suspending", "suspended"),
+            ]
+    finally:
+        cluster.stop()
+        twin.stop()

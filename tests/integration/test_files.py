@@ -1,0 +1,106 @@
+"""Workspace files: validation, path confinement, mirroring into a live kernel."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import nbformat
+import pytest
+
+from nbfleet.sdk.kernel_socket import KernelSocket
+from tests.support.cluster import Cluster, create_running, wait_state
+
+
+@pytest.fixture(scope="module")
+def owner(shared_cluster: Cluster):  # type: ignore[no-untyped-def]
+    client = shared_cluster.new_user(org="files", project="p")
+    return client, create_running(client)
+
+
+@pytest.mark.parametrize("body", [
+    b"not json at all",
+    b"{}",
+    json.dumps({"nbformat": 4, "nbformat_minor": 5, "metadata": {}}).encode(),
+    json.dumps({"nbformat": 4, "nbformat_minor": 5, "metadata": {},
+                "cells": [{"cell_type": "bogus", "source": "", "metadata": {}}]}).encode(),
+])
+def test_malformed_notebooks_are_refused_and_not_stored(owner, body: bytes) -> None:  # type: ignore[no-untyped-def]
+    client, ws = owner
+    response = client.put(f"/v1/workspaces/{ws}/files/bad.ipynb", content=body)
+    assert response.status_code == 422
+    assert response.headers["content-type"] == "application/problem+json"
+    assert "bad.ipynb is not a valid notebook" in response.json()["detail"]
+    assert client.get(f"/v1/workspaces/{ws}/files/bad.ipynb").status_code == 404
+
+
+def test_a_bad_save_keeps_the_previous_notebook(owner) -> None:  # type: ignore[no-untyped-def]
+    client, ws = owner
+    good = nbformat.writes(nbformat.v4.new_notebook()).encode()
+    assert client.put(f"/v1/workspaces/{ws}/files/keep.ipynb", content=good).status_code == 200
+    assert client.put(f"/v1/workspaces/{ws}/files/keep.ipynb", content=b"{").status_code == 422
+    assert client.get(f"/v1/workspaces/{ws}/files/keep.ipynb").content == good
+
+
+@pytest.mark.parametrize("path", [
+    "..%2F..%2Fetc%2Fpasswd",
+    "a%2F..%2F..%2Fb",
+    "%2Fetc%2Fpasswd",
+    "a%2F%2Fb",
+    "a%5Cb",
+    "x%00y",
+    ".%2Fa",
+])
+def test_path_traversal_is_refused(owner, path: str) -> None:  # type: ignore[no-untyped-def]
+    client, ws = owner
+    for method in ("PUT", "GET", "DELETE"):
+        response = client.request(method, f"/v1/workspaces/{ws}/files/{path}",
+                                  content=b"x" if method == "PUT" else None)
+        assert response.status_code == 422, (method, path, response.status_code, response.text)
+        assert response.headers["content-type"] == "application/problem+json"
+
+
+def test_symlinks_made_by_kernel_code_are_not_synced(shared_cluster: Cluster) -> None:
+    client = shared_cluster.new_user(org="files", project="links")
+    ws = create_running(client)
+    kernel = client.post(f"/v1/workspaces/{ws}/api/kernels", json={}).json()["id"]
+    token = client.headers["Authorization"].split()[1]
+
+    async def run() -> None:
+        sock = await KernelSocket.connect(shared_cluster.channels_url(ws, kernel), token)
+        try:
+            code = ("import os; os.symlink('/etc/hostname', 'leak.txt'); "
+                    "open('real.txt', 'w').write('ok')")
+            assert (await sock.execute(code)).status == "ok"
+        finally:
+            await sock.close()
+
+    asyncio.run(run())
+    client.post(f"/v1/workspaces/{ws}/suspend")
+    wait_state(client, ws, "suspended")
+    paths = {f["path"] for f in client.get(f"/v1/workspaces/{ws}/files").json()["files"]}
+    assert "real.txt" in paths and "leak.txt" not in paths
+
+
+def test_api_writes_reach_the_running_kernel(owner, shared_cluster: Cluster) -> None:  # type: ignore[no-untyped-def]
+    client, ws = owner
+    kernel = client.post(f"/v1/workspaces/{ws}/api/kernels", json={}).json()["id"]
+    token = client.headers["Authorization"].split()[1]
+    client.put(f"/v1/workspaces/{ws}/files/sub/dir/input.txt", content=b"from the api")
+
+    async def run(code: str) -> str:
+        sock = await KernelSocket.connect(shared_cluster.channels_url(ws, kernel), token)
+        try:
+            return (await sock.execute(code)).stdout
+        finally:
+            await sock.close()
+
+    assert asyncio.run(run("print(open('sub/dir/input.txt').read())")) == "from the api\n"
+    client.delete(f"/v1/workspaces/{ws}/files/sub/dir/input.txt")
+    assert asyncio.run(run("import os; print(os.path.exists('sub/dir/input.txt'))")) == "False\n"
+
+
+def test_missing_file_is_404(owner) -> None:  # type: ignore[no-untyped-def]
+    client, ws = owner
+    assert client.get(f"/v1/workspaces/{ws}/files/nope.txt").status_code == 404
+    assert client.delete(f"/v1/workspaces/{ws}/files/nope.txt").status_code == 404

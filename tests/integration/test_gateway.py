@@ -1,0 +1,131 @@
+"""The kernel gateway as a Jupyter client sees it."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from datetime import datetime
+
+from nbfleet.sdk.kernel_socket import KernelSocket
+from tests.support.cluster import Cluster, create_running, wait_state
+
+JUPYTER_TIME = "%Y-%m-%dT%H:%M:%S.%fZ"
+
+
+def test_kernel_model_matches_jupyter_server(shared_cluster: Cluster) -> None:
+    client = shared_cluster.new_user()
+    ws = create_running(client)
+    specs = client.get(f"/v1/workspaces/{ws}/api/kernelspecs").json()
+    assert specs["default"] == "python3"
+    assert specs["kernelspecs"]["python3"]["spec"]["language"] == "python"
+    assert client.get(f"/v1/workspaces/{ws}/api/kernelspecs/python3").json()["name"] == "python3"
+    assert client.get(f"/v1/workspaces/{ws}/api/kernelspecs/cobol").status_code == 404
+
+    created = client.post(f"/v1/workspaces/{ws}/api/kernels", json={"name": "python3"})
+    assert created.status_code == 201
+    model = created.json()
+    assert set(model) == {"id", "name", "last_activity", "execution_state", "connections"}
+    uuid_shape = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
+    assert re.fullmatch(uuid_shape, model["id"])
+    datetime.strptime(model["last_activity"], JUPYTER_TIME)
+    assert model["execution_state"] == "idle" and model["connections"] == 0
+    assert created.headers["location"].endswith(f"/api/kernels/{model['id']}")
+    assert client.post(f"/v1/workspaces/{ws}/api/kernels",
+                       json={"name": "cobol"}).status_code == 422
+
+    listed = client.get(f"/v1/workspaces/{ws}/api/kernels").json()
+    assert [k["id"] for k in listed] == [model["id"]]
+    assert client.delete(f"/v1/workspaces/{ws}/api/kernels/{model['id']}").status_code == 204
+    assert client.get(f"/v1/workspaces/{ws}/api/kernels/{model['id']}").status_code == 404
+    assert client.get(f"/v1/workspaces/{ws}/api/kernels").json() == []
+
+
+def test_output_produced_while_disconnected_is_delivered_on_reconnect(
+    shared_cluster: Cluster,
+) -> None:
+    client = shared_cluster.new_user()
+    ws = create_running(client)
+    kernel = client.post(f"/v1/workspaces/{ws}/api/kernels", json={}).json()["id"]
+    token = client.headers["Authorization"].split()[1]
+    url = shared_cluster.channels_url(ws, kernel)
+
+    async def scenario() -> list[str]:
+        sock = await KernelSocket.connect(url, token)
+        request = sock.message("execute_request", {
+            "code": "import time\nprint('before')\ntime.sleep(1.5)\nprint('while away')",
+            "silent": False, "store_history": True, "user_expressions": {},
+            "allow_stdin": False, "stop_on_error": True}, "shell")
+        await sock.send(request)
+        while True:  # leave as soon as the cell is running
+            msg = await sock.receive()
+            if msg["msg_type"] == "execute_input":
+                break
+        await sock.close()
+        await asyncio.sleep(3)  # the cell finishes with nobody connected
+        sock = await KernelSocket.connect(url, token)
+        try:
+            result = await sock.collect(request["header"]["msg_id"], timeout=10)
+            assert result.status == "ok"
+            return [o["content"]["text"] for o in result.outputs if o["msg_type"] == "stream"]
+        finally:
+            await sock.close()
+
+    texts = "".join(asyncio.run(scenario()))
+    assert "while away" in texts
+
+
+def test_two_clients_share_a_kernel_and_replies_go_to_the_asker(shared_cluster: Cluster) -> None:
+    client = shared_cluster.new_user()
+    ws = create_running(client)
+    kernel = client.post(f"/v1/workspaces/{ws}/api/kernels", json={}).json()["id"]
+    token = client.headers["Authorization"].split()[1]
+    url = shared_cluster.channels_url(ws, kernel)
+
+    async def scenario() -> tuple[str, int]:
+        first = await KernelSocket.connect(url, token)
+        second = await KernelSocket.connect(url, token)
+        try:
+            await asyncio.sleep(0.2)
+            model = client.get(f"/v1/workspaces/{ws}/api/kernels/{kernel}").json()
+            result = await first.execute("shared = 'yes'; print(shared)")
+            seen = await second.execute("print(shared)")
+            return result.stdout + seen.stdout, model["connections"]
+        finally:
+            await first.close()
+            await second.close()
+
+    output, connections = asyncio.run(scenario())
+    assert output == "yes\nyes\n"
+    assert connections == 2
+
+
+def test_kernels_need_a_running_workspace(shared_cluster: Cluster) -> None:
+    client = shared_cluster.new_user()
+    ws = create_running(client)
+    client.post(f"/v1/workspaces/{ws}/suspend")
+    wait_state(client, ws, "suspended")
+    refused = client.post(f"/v1/workspaces/{ws}/api/kernels", json={})
+    assert refused.status_code == 409
+    assert refused.json()["current_state"] == "suspended"
+    assert "resume" in refused.json()["detail"]
+    assert client.get(f"/v1/workspaces/{ws}/api/kernels").json() == []
+
+
+def test_bad_frames_do_not_break_the_socket(shared_cluster: Cluster) -> None:
+    client = shared_cluster.new_user()
+    ws = create_running(client)
+    kernel = client.post(f"/v1/workspaces/{ws}/api/kernels", json={}).json()["id"]
+    token = client.headers["Authorization"].split()[1]
+
+    async def scenario() -> str:
+        sock = await KernelSocket.connect(shared_cluster.channels_url(ws, kernel), token)
+        try:
+            await sock.connection.send("{not json")
+            await sock.connection.send('{"channel": "iopub", "header": {"msg_id": "x"}}')
+            await sock.connection.send('{"channel": "shell", "header": {}}')
+            await sock.connection.send(b"\x00\x01")
+            return (await sock.execute("print('still fine')")).stdout
+        finally:
+            await sock.close()
+
+    assert asyncio.run(scenario()) == "still fine\n"

@@ -1,0 +1,104 @@
+"""The agent's kernel wrapper against a real ipykernel, without HTTP in between."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nbfleet.agent.kernel_process import Client, KernelProcess
+from nbfleet.agent.runtimes import kernel_env
+
+
+def execute_request(code: str) -> dict[str, Any]:
+    return {
+        "header": {"msg_id": uuid.uuid4().hex, "msg_type": "execute_request", "session": "t",
+                   "username": "t", "version": "5.3", "date": "2026-01-01T00:00:00Z"},
+        "parent_header": {}, "metadata": {},
+        "content": {"code": code, "silent": False, "store_history": True,
+                    "user_expressions": {}, "allow_stdin": False, "stop_on_error": True},
+    }
+
+
+async def reply_to(client: Client, msg_id: str) -> list[dict[str, Any]]:
+    """Frames for ``msg_id`` up to and including its execute_reply."""
+    seen: list[dict[str, Any]] = []
+    while True:
+        frame = await asyncio.wait_for(client.queue.get(), 30)
+        assert isinstance(frame, str)
+        msg = json.loads(frame)
+        if msg["parent_header"].get("msg_id") == msg_id:
+            seen.append(msg)
+            if msg["msg_type"] == "execute_reply":
+                return seen
+
+
+@pytest.fixture
+async def kernel(tmp_path: Path):  # type: ignore[no-untyped-def]
+    workdir = tmp_path / "files"
+    workdir.mkdir()
+    process = KernelProcess(str(uuid.uuid4()), "ws_test", "python3", str(workdir),
+                            kernel_env(str(tmp_path)), str(tmp_path / "conn"))
+    nudges = 0
+    original = process._send_internal
+
+    def counting(msg_type: str) -> None:
+        nonlocal nudges
+        nudges += 1
+        original(msg_type)
+
+    process._send_internal = counting  # type: ignore[method-assign]
+    await process.start()
+    process.nudges = nudges  # type: ignore[attr-defined]
+    yield process
+    await process.shutdown()
+
+
+async def test_start_up_does_not_flood_the_kernel(kernel: KernelProcess) -> None:
+    # Regression: the readiness loop once sent hundreds of kernel_info_requests,
+    # and a user's first cell queued behind them for a minute on a busy host.
+    assert 1 <= kernel.nudges <= 10  # type: ignore[attr-defined]
+    assert kernel.execution_state == "idle"
+    assert os.path.exists(kernel.manager.connection_file)
+
+
+async def test_replies_go_to_the_asker_and_iopub_to_everyone(kernel: KernelProcess) -> None:
+    asker, watcher = kernel.attach(), kernel.attach()
+    request = execute_request("print('hello')")
+    kernel.send_from_client(asker, "shell", request, [])
+    frames = await reply_to(asker, request["header"]["msg_id"])
+    assert frames[-1]["content"]["status"] == "ok"
+    watcher_frames = []
+    while not watcher.queue.empty():
+        watcher_frames.append(json.loads(watcher.queue.get_nowait()))  # type: ignore[arg-type]
+    kinds = {m["msg_type"] for m in watcher_frames}
+    assert "stream" in kinds and "execute_reply" not in kinds
+
+
+async def test_output_is_buffered_until_a_client_attaches(kernel: KernelProcess) -> None:
+    client = kernel.attach()
+    request = execute_request("import time; time.sleep(0.5); print('late')")
+    kernel.send_from_client(client, "shell", request, [])
+    kernel.detach(client)
+    await asyncio.sleep(2)
+    later = kernel.attach()
+    frames = await reply_to(later, request["header"]["msg_id"])
+    assert any(m["msg_type"] == "stream" and m["content"]["text"] == "late\n" for m in frames)
+
+
+async def test_restart_wipes_state(kernel: KernelProcess) -> None:
+    client = kernel.attach()
+    first = execute_request("value = 3")
+    kernel.send_from_client(client, "shell", first, [])
+    await reply_to(client, first["header"]["msg_id"])
+    await kernel.restart()
+    second = execute_request("value")
+    kernel.send_from_client(client, "shell", second, [])
+    frames = await reply_to(client, second["header"]["msg_id"])
+    assert frames[-1]["content"]["ename"] == "NameError"
+    assert kernel.execution_state == "idle"

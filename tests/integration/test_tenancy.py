@@ -1,0 +1,106 @@
+"""Tenants never see each other's resources: every such request answers 404."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+
+import pytest
+from sqlalchemy import create_engine, text
+from websockets.exceptions import WebSocketException
+
+from nbfleet.sdk.kernel_socket import KernelSocket
+from tests.support.cluster import Cluster, create_running
+
+
+def test_cross_tenant_requests_answer_404(shared_cluster: Cluster) -> None:
+    alice = shared_cluster.new_user(org="alpha", project="p1")
+    mallory = shared_cluster.new_user(org="beta", project="p1")
+    same_org_other_project = shared_cluster.new_user(org="alpha", project="p2")
+    ws = create_running(alice)
+    alice.put(f"/v1/workspaces/{ws}/files/secret.txt", content=b"s3cret")
+    kernel = alice.post(f"/v1/workspaces/{ws}/api/kernels", json={}).json()["id"]
+
+    probes = [
+        ("GET", f"/v1/workspaces/{ws}"),
+        ("GET", f"/v1/workspaces/{ws}/events"),
+        ("POST", f"/v1/workspaces/{ws}/suspend"),
+        ("POST", f"/v1/workspaces/{ws}/resume"),
+        ("DELETE", f"/v1/workspaces/{ws}"),
+        ("GET", f"/v1/workspaces/{ws}/files"),
+        ("GET", f"/v1/workspaces/{ws}/files/secret.txt"),
+        ("PUT", f"/v1/workspaces/{ws}/files/secret.txt"),
+        ("DELETE", f"/v1/workspaces/{ws}/files/secret.txt"),
+        ("GET", f"/v1/workspaces/{ws}/api/kernels"),
+        ("POST", f"/v1/workspaces/{ws}/api/kernels"),
+        ("GET", f"/v1/workspaces/{ws}/api/kernels/{kernel}"),
+        ("DELETE", f"/v1/workspaces/{ws}/api/kernels/{kernel}"),
+        ("POST", f"/v1/workspaces/{ws}/api/kernels/{kernel}/interrupt"),
+        ("POST", f"/v1/workspaces/{ws}/api/kernels/{kernel}/restart"),
+        ("GET", f"/v1/workspaces/{ws}/api/kernelspecs"),
+    ]
+    for outsider in (mallory, same_org_other_project):
+        for method, path in probes:
+            response = outsider.request(method, path, content=b"x" if method == "PUT" else None)
+            assert response.status_code == 404, (method, path, response.status_code)
+            assert ws in response.json()["detail"]  # the same answer as a missing workspace
+        assert outsider.get("/v1/workspaces").json()["items"] == []
+    missing = mallory.get("/v1/workspaces/ws_doesnotexist")
+    assert missing.status_code == 404
+    assert missing.json()["title"] == mallory.get(f"/v1/workspaces/{ws}").json()["title"]
+
+    # The kernel socket refuses the outsider too, and the owner still gets in.
+    mallory_token = mallory.headers["Authorization"].split()[1]
+    alice_token = alice.headers["Authorization"].split()[1]
+
+    async def connect(token: str) -> str:
+        sock = await KernelSocket.connect(shared_cluster.channels_url(ws, kernel), token)
+        try:
+            return (await sock.execute("print('in')")).stdout
+        finally:
+            await sock.close()
+
+    with pytest.raises(WebSocketException):
+        asyncio.run(connect(mallory_token))
+    assert asyncio.run(connect(alice_token)) == "in\n"
+    assert alice.get(f"/v1/workspaces/{ws}/files/secret.txt").content == b"s3cret"
+
+
+def test_admin_routes_are_invisible_to_users(shared_cluster: Cluster) -> None:
+    user = shared_cluster.new_user()
+    assert user.get("/v1/admin/agents").status_code == 404
+    created = user.post("/v1/admin/users", json={"name": "x", "org": "o", "project": "p"})
+    assert created.status_code == 404
+
+
+def test_tokens_are_stored_hashed(shared_cluster: Cluster) -> None:
+    user = shared_cluster.new_user()
+    token = user.headers["Authorization"].split()[1]
+    engine = create_engine(shared_cluster.db_url.replace("postgresql://", "postgresql+psycopg://"))
+    with engine.connect() as conn:
+        rows = [r[0] for r in conn.execute(text("SELECT token_hash FROM api_tokens"))]
+    engine.dispose()
+    assert rows and all(len(r) == 64 for r in rows)
+    assert token not in rows and shared_cluster.admin_token not in rows
+    mode = stat.S_IMODE(os.stat(shared_cluster.home / "admin-token").st_mode)
+    assert mode == 0o600
+
+
+def test_kernels_do_not_see_control_plane_secrets(shared_cluster: Cluster) -> None:
+    client = shared_cluster.new_user()
+    ws = create_running(client)
+    kernel = client.post(f"/v1/workspaces/{ws}/api/kernels", json={}).json()["id"]
+    token = client.headers["Authorization"].split()[1]
+    secret = (shared_cluster.home / "cluster-secret").read_text().strip()
+
+    async def environment() -> str:
+        sock = await KernelSocket.connect(shared_cluster.channels_url(ws, kernel), token)
+        try:
+            return (await sock.execute("import os; print(repr(dict(os.environ)))")).stdout
+        finally:
+            await sock.close()
+
+    env = asyncio.run(environment())
+    assert "NBFLEET" not in env
+    assert secret not in env

@@ -1,0 +1,174 @@
+"""Real nbfleet processes on loopback for integration and e2e tests.
+
+``Cluster`` runs ``nbfleet control`` and any number of ``nbfleet agent`` processes
+as subprocesses, so tests can kill -9 them and restart them like an operator would.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+NBFLEET = [sys.executable, "-m", "nbfleet.cli.main"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float = 30.0, interval: float = 0.1,
+               what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = predicate()
+        except (httpx.HTTPError, OSError) as exc:
+            last = exc
+        else:
+            if last:
+                return last
+        time.sleep(interval)
+    raise TimeoutError(f"timed out waiting for {what}; last value: {last!r}")
+
+
+class Cluster:
+    def __init__(self, root: Path, db_url: str, gpus: str = "2xA100-80GB") -> None:
+        self.root = root
+        self.home = root / "home"
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.db_url = db_url
+        self.gpus = gpus
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.control: subprocess.Popen[bytes] | None = None
+        self.agents: dict[str, subprocess.Popen[bytes]] = {}
+        self.logs = root / "logs"
+        self.logs.mkdir(exist_ok=True)
+
+    # ------------------------------------------------------------- processes
+    def _env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("NBFLEET_")}
+        env["NBFLEET_HOME"] = str(self.home)
+        env.update(extra or {})
+        return env
+
+    def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        log = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115 (lives with the process)
+        return subprocess.Popen(NBFLEET + args, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+
+    def start_control(self, env: dict[str, str] | None = None) -> None:
+        self.control = self._spawn("control", [
+            "control", "--db", self.db_url, "--blobs", str(self.home / "blobs"),
+            "--port", str(self.port), "--log-level", "info"], self._env(env))
+        wait_until(lambda: httpx.get(f"{self.url}/healthz").status_code == 200, 60,
+                   what="control plane health")
+
+    def start_agent(self, name: str = "agent1", env: dict[str, str] | None = None) -> None:
+        before = self._boot_ids()
+        self.agents[name] = self._spawn(name, [
+            "agent", "--control", self.url, "--state-dir", str(self.root / name),
+            "--gpus", self.gpus, "--log-level", "info"], self._env(env))
+        agent_id_file = self.root / name / "agent-id"
+
+        def registered() -> bool:
+            if not agent_id_file.exists():
+                return False
+            agent_id = agent_id_file.read_text().strip()
+            boot = self._boot_ids().get(agent_id)
+            return boot is not None and boot != before.get(agent_id)
+
+        wait_until(registered, 60, what=f"agent {name} registration")
+
+    def _boot_ids(self) -> dict[str, str]:
+        if self.control is None or self.control.poll() is not None:
+            return {}
+        try:
+            body = self.admin().get("/v1/admin/agents").json()
+        except httpx.HTTPError:
+            return {}
+        return {a["id"]: a["boot_id"] for a in body.get("items", [])}
+
+    def kill_control(self, sig: int = signal.SIGKILL) -> None:
+        assert self.control is not None
+        self.control.send_signal(sig)
+        self.control.wait(30)
+        self.control = None
+
+    def kill_agent(self, name: str = "agent1", sig: int = signal.SIGKILL) -> None:
+        proc = self.agents.pop(name)
+        if sig == signal.SIGKILL:
+            os.killpg(proc.pid, sig)  # the agent and its kernels, as if the host died
+        else:
+            proc.send_signal(sig)
+        proc.wait(30)
+
+    def stop(self) -> None:
+        for name in list(self.agents):
+            proc = self.agents.pop(name)
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+        if self.control is not None:
+            self.control.send_signal(signal.SIGTERM)
+            try:
+                self.control.wait(20)
+            except subprocess.TimeoutExpired:
+                self.control.kill()
+            self.control = None
+
+    # --------------------------------------------------------------- clients
+    @property
+    def admin_token(self) -> str:
+        return (self.home / "admin-token").read_text().strip()
+
+    def client(self, token: str) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {token}"},
+                            timeout=60.0)
+
+    def admin(self) -> httpx.Client:
+        return self.client(self.admin_token)
+
+    def new_user(self, org: str = "acme", project: str = "research",
+                 name: str | None = None) -> httpx.Client:
+        body = {"name": name or f"u{uuid.uuid4().hex[:8]}", "org": org, "project": project}
+        response = self.admin().post("/v1/admin/users", json=body)
+        response.raise_for_status()
+        return self.client(response.json()["token"])
+
+    def channels_url(self, workspace_id: str, kernel_id: str) -> str:
+        return (f"ws://127.0.0.1:{self.port}/v1/workspaces/{workspace_id}"
+                f"/api/kernels/{kernel_id}/channels")
+
+
+def wait_state(client: httpx.Client, workspace_id: str, state: str,
+               timeout: float = 60.0) -> dict[str, Any]:
+    def settled() -> dict[str, Any] | None:
+        body: dict[str, Any] = client.get(f"/v1/workspaces/{workspace_id}").json()
+        return body if body.get("state") == state else None
+
+    result: dict[str, Any] = wait_until(settled, timeout, 0.1, f"{workspace_id} -> {state}")
+    return result
+
+
+def create_running(client: httpx.Client, name: str = "ws") -> str:
+    response = client.post("/v1/workspaces", json={"name": name})
+    response.raise_for_status()
+    workspace_id: str = response.json()["id"]
+    wait_state(client, workspace_id, "running")
+    return workspace_id
