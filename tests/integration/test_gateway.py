@@ -99,6 +99,27 @@ def test_two_clients_share_a_kernel_and_replies_go_to_the_asker(shared_cluster: 
     assert connections == 2
 
 
+def test_v1_subprotocol_is_negotiated_end_to_end(shared_cluster: Cluster) -> None:
+    client = shared_cluster.new_user()
+    ws = create_running(client)
+    kernel = client.post(f"/v1/workspaces/{ws}/api/kernels", json={}).json()["id"]
+    token = client.headers["Authorization"].split()[1]
+    url = shared_cluster.channels_url(ws, kernel)
+
+    async def scenario() -> tuple[bool, str, bool, str]:
+        binary = await KernelSocket.connect(url, token, v1=True)
+        legacy = await KernelSocket.connect(url, token)
+        try:
+            v1_result = await binary.execute("both = 'ok'; print(both)")
+            legacy_result = await legacy.execute("print(both)")
+            return binary.v1, v1_result.stdout, legacy.v1, legacy_result.stdout
+        finally:
+            await binary.close()
+            await legacy.close()
+
+    assert asyncio.run(scenario()) == (True, "ok\n", False, "ok\n")
+
+
 def test_kernels_need_a_running_workspace(shared_cluster: Cluster) -> None:
     client = shared_cluster.new_user()
     ws = create_running(client)

@@ -13,25 +13,27 @@ import pytest
 
 from nbfleet.agent.kernel_process import Client, KernelProcess
 from nbfleet.agent.runtimes import kernel_env
+from nbfleet.agent.wire import ClientMessage, parse_client_frame
 
 
-def execute_request(code: str) -> dict[str, Any]:
-    return {
+def execute_request(code: str) -> ClientMessage:
+    return parse_client_frame(json.dumps({
+        "channel": "shell",
         "header": {"msg_id": uuid.uuid4().hex, "msg_type": "execute_request", "session": "t",
                    "username": "t", "version": "5.3", "date": "2026-01-01T00:00:00Z"},
         "parent_header": {}, "metadata": {},
         "content": {"code": code, "silent": False, "store_history": True,
                     "user_expressions": {}, "allow_stdin": False, "stop_on_error": True},
-    }
+    }), None)
 
 
 async def reply_to(client: Client, msg_id: str) -> list[dict[str, Any]]:
     """Frames for ``msg_id`` up to and including its execute_reply."""
     seen: list[dict[str, Any]] = []
     while True:
-        frame = await asyncio.wait_for(client.queue.get(), 30)
-        assert isinstance(frame, str)
-        msg = json.loads(frame)
+        message = await asyncio.wait_for(client.queue.get(), 30)
+        assert message is not None
+        msg = json.loads(message.legacy_frame())
         if msg["parent_header"].get("msg_id") == msg_id:
             seen.append(msg)
             if msg["msg_type"] == "execute_reply":
@@ -70,12 +72,14 @@ async def test_start_up_does_not_flood_the_kernel(kernel: KernelProcess) -> None
 async def test_replies_go_to_the_asker_and_iopub_to_everyone(kernel: KernelProcess) -> None:
     asker, watcher = kernel.attach(), kernel.attach()
     request = execute_request("print('hello')")
-    kernel.send_from_client(asker, "shell", request, [])
-    frames = await reply_to(asker, request["header"]["msg_id"])
+    kernel.send_from_client(asker, request)
+    frames = await reply_to(asker, request.msg_id)
     assert frames[-1]["content"]["status"] == "ok"
     watcher_frames = []
     while not watcher.queue.empty():
-        watcher_frames.append(json.loads(watcher.queue.get_nowait()))  # type: ignore[arg-type]
+        queued = watcher.queue.get_nowait()
+        assert queued is not None
+        watcher_frames.append(json.loads(queued.legacy_frame()))
     kinds = {m["msg_type"] for m in watcher_frames}
     assert "stream" in kinds and "execute_reply" not in kinds
 
@@ -83,22 +87,26 @@ async def test_replies_go_to_the_asker_and_iopub_to_everyone(kernel: KernelProce
 async def test_output_is_buffered_until_a_client_attaches(kernel: KernelProcess) -> None:
     client = kernel.attach()
     request = execute_request("import time; time.sleep(0.5); print('late')")
-    kernel.send_from_client(client, "shell", request, [])
+    kernel.send_from_client(client, request)
     kernel.detach(client)
     await asyncio.sleep(2)
     later = kernel.attach()
-    frames = await reply_to(later, request["header"]["msg_id"])
+    frames = await reply_to(later, request.msg_id)
     assert any(m["msg_type"] == "stream" and m["content"]["text"] == "late\n" for m in frames)
 
 
 async def test_restart_wipes_state(kernel: KernelProcess) -> None:
     client = kernel.attach()
     first = execute_request("value = 3")
-    kernel.send_from_client(client, "shell", first, [])
-    await reply_to(client, first["header"]["msg_id"])
+    kernel.send_from_client(client, first)
+    await reply_to(client, first.msg_id)
     await kernel.restart()
     second = execute_request("value")
-    kernel.send_from_client(client, "shell", second, [])
-    frames = await reply_to(client, second["header"]["msg_id"])
+    kernel.send_from_client(client, second)
+    frames = await reply_to(client, second.msg_id)
     assert frames[-1]["content"]["ename"] == "NameError"
+    for _ in range(100):  # the idle status follows the reply; it must not stay "restarting"
+        if kernel.execution_state == "idle":
+            break
+        await asyncio.sleep(0.05)
     assert kernel.execution_state == "idle"

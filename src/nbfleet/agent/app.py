@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field
 
 from nbfleet.agent.kernel_process import Client, KernelProcess
 from nbfleet.agent.service import AgentService
-from nbfleet.agent.wire import WireError, parse_client_frame
+from nbfleet.agent.wire import V1_PROTOCOL, WireError, parse_client_frame
 from nbfleet.model.errors import Unauthorized
 from nbfleet.storage.paths import confine
 from nbfleet.web.problems import bearer_token, install_problem_handlers
@@ -117,14 +117,16 @@ def create_agent_app(service: AgentService) -> FastAPI:
         if kernel is None:
             await websocket.close(code=4004, reason="no such kernel")
             return
-        await websocket.accept()
-        await relay(websocket, kernel)
+        offered = websocket.scope.get("subprotocols") or []
+        protocol = V1_PROTOCOL if V1_PROTOCOL in offered else None
+        await websocket.accept(subprotocol=protocol)
+        await relay(websocket, kernel, protocol)
 
     return app
 
 
-async def relay(websocket: WebSocket, kernel: KernelProcess) -> None:
-    client = kernel.attach()
+async def relay(websocket: WebSocket, kernel: KernelProcess, protocol: str | None) -> None:
+    client = kernel.attach(protocol)
     writer = asyncio.create_task(_drain(websocket, client))
     try:
         while True:
@@ -137,11 +139,11 @@ async def relay(websocket: WebSocket, kernel: KernelProcess) -> None:
             if data is None:
                 continue
             try:
-                channel, message, buffers = parse_client_frame(data)
+                message = parse_client_frame(data, protocol)
             except (WireError, ValueError) as exc:
                 log.warning("ignoring a bad client frame for kernel %s: %s", kernel.id, exc)
                 continue
-            kernel.send_from_client(client, channel, message, buffers)
+            kernel.send_from_client(client, message)
     finally:
         kernel.detach(client)
         writer.cancel()
@@ -151,11 +153,12 @@ async def relay(websocket: WebSocket, kernel: KernelProcess) -> None:
 
 async def _drain(websocket: WebSocket, client: Client) -> None:
     while True:
-        frame = await client.queue.get()
-        if frame is None:
+        message = await client.queue.get()
+        if message is None:
             with contextlib.suppress(Exception):
                 await websocket.close()
             return
+        frame = message.frame(client.protocol)
         if isinstance(frame, str):
             await websocket.send_text(frame)
         else:

@@ -23,7 +23,7 @@ import zmq
 import zmq.asyncio
 from jupyter_client.manager import AsyncKernelManager
 
-from nbfleet.agent.wire import KernelMessage, WireCodec, WireError
+from nbfleet.agent.wire import ClientMessage, KernelMessage, WireCodec, WireError
 
 log = logging.getLogger(__name__)
 
@@ -38,16 +38,32 @@ def jupyter_time(moment: datetime) -> str:
     return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-class Client:
-    """One attached WebSocket: a bounded queue drained by the connection's writer."""
+def _agent_header(msg_type: str) -> dict[str, str]:
+    return {
+        "msg_id": uuid.uuid4().hex,
+        "msg_type": msg_type,
+        "session": "nbfleet-agent",
+        "username": "nbfleet",
+        "date": jupyter_time(datetime.now(UTC)),
+        "version": "5.3",
+    }
 
-    def __init__(self) -> None:
-        self.queue: asyncio.Queue[str | bytes | None] = asyncio.Queue(CLIENT_QUEUE_LIMIT)
+
+class Client:
+    """One attached WebSocket: a bounded queue drained by the connection's writer.
+
+    ``protocol`` is the WebSocket subprotocol it negotiated (None for legacy JSON);
+    each message is rendered in it only when the writer sends it.
+    """
+
+    def __init__(self, protocol: str | None = None) -> None:
+        self.protocol = protocol
+        self.queue: asyncio.Queue[KernelMessage | None] = asyncio.Queue(CLIENT_QUEUE_LIMIT)
         self.closed = False
 
-    def offer(self, frame: str | bytes) -> None:
+    def offer(self, message: KernelMessage) -> None:
         try:
-            self.queue.put_nowait(frame)
+            self.queue.put_nowait(message)
         except asyncio.QueueFull:
             log.warning("dropping a client that stopped reading")
             self.close()
@@ -78,7 +94,7 @@ class KernelProcess:
         self.execution_state = "starting"
         self.last_activity = datetime.now(UTC)
         self.clients: set[Client] = set()
-        self._buffer: deque[str | bytes] = deque(maxlen=BUFFER_LIMIT)
+        self._buffer: deque[KernelMessage] = deque(maxlen=BUFFER_LIMIT)
         self._requesters: dict[str, Client] = {}
         self._internal: set[str] = set()
         self._ready = asyncio.Event()
@@ -152,18 +168,9 @@ class KernelProcess:
 
     def _send_internal(self, msg_type: str) -> None:
         assert self.codec is not None
-        msg_id = uuid.uuid4().hex
-        self._internal.add(msg_id)
-        header = {
-            "msg_id": msg_id,
-            "msg_type": msg_type,
-            "session": "nbfleet-agent",
-            "username": "nbfleet",
-            "date": jupyter_time(datetime.now(UTC)),
-            "version": "5.3",
-        }
-        frames = self.codec.to_kernel({"header": header, "content": {}}, [])
-        self._sockets["shell"].send_multipart(frames, copy=True)
+        header = _agent_header(msg_type)
+        self._internal.add(header["msg_id"])
+        self._sockets["shell"].send_multipart(self.codec.internal(header, {}), copy=True)
 
     async def interrupt(self) -> None:
         await self.manager.interrupt_kernel()
@@ -209,8 +216,8 @@ class KernelProcess:
                     return
 
     # ------------------------------------------------------------------ relaying
-    def attach(self) -> Client:
-        client = Client()
+    def attach(self, protocol: str | None = None) -> Client:
+        client = Client(protocol)
         while self._buffer:  # no await in here: nothing can interleave
             client.offer(self._buffer.popleft())
         self.clients.add(client)
@@ -220,14 +227,12 @@ class KernelProcess:
         self.clients.discard(client)
         client.close()
 
-    def send_from_client(self, client: Client, channel: str, message: dict[str, Any],
-                         buffers: list[bytes]) -> None:
+    def send_from_client(self, client: Client, message: ClientMessage) -> None:
         assert self.codec is not None
-        msg_id = message["header"]["msg_id"]
-        if channel != "stdin":
-            self._requesters[msg_id] = client
+        if message.channel != "stdin":
+            self._requesters[message.msg_id] = client
         self._touch()
-        self._sockets[channel].send_multipart(self.codec.to_kernel(message, buffers), copy=True)
+        self._sockets[message.channel].send_multipart(self.codec.to_kernel(message), copy=True)
 
     async def _read(self, channel: str, sock: zmq.asyncio.Socket) -> None:
         assert self.codec is not None
@@ -252,7 +257,7 @@ class KernelProcess:
                 return
             self._iopub_seen.set()
             self._touch()
-            self._broadcast(message.frame)
+            self._broadcast(message)
             return
         if parent in self._internal:
             self._internal.discard(parent)
@@ -263,40 +268,23 @@ class KernelProcess:
         if channel in ("shell", "control") and parent is not None:
             self._requesters.pop(parent, None)
         if target is not None and target in self.clients:
-            target.offer(message.frame)
+            target.offer(message)
         else:
-            self._broadcast(message.frame)
+            self._broadcast(message)
 
-    def _broadcast(self, frame: str | bytes) -> None:
+    def _broadcast(self, message: KernelMessage) -> None:
         if not self.clients:
-            self._buffer.append(frame)
+            self._buffer.append(message)
             return
         for client in list(self.clients):
-            client.offer(frame)
+            client.offer(message)
 
     def _broadcast_status(self, state: str) -> None:
-        now = jupyter_time(datetime.now(UTC))
-        header = {
-            "msg_id": uuid.uuid4().hex,
-            "msg_type": "status",
-            "session": "nbfleet-agent",
-            "username": "nbfleet",
-            "date": now,
-            "version": "5.3",
-        }
-        frame = json.dumps(
-            {
-                "header": header,
-                "msg_id": header["msg_id"],
-                "msg_type": "status",
-                "parent_header": {},
-                "metadata": {},
-                "content": {"execution_state": state},
-                "buffers": [],
-                "channel": "iopub",
-            }
-        )
-        self._broadcast(frame)
+        """A status message of the agent's own, as jupyter_server sends on restart."""
+        header = _agent_header("status")
+        parts = [json.dumps(header).encode(), b"{}", b"{}",
+                 json.dumps({"execution_state": state}).encode()]
+        self._broadcast(KernelMessage("iopub", header["msg_id"], "status", None, parts))
 
     def _touch(self) -> None:
         self.last_activity = datetime.now(UTC)

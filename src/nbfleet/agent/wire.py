@@ -1,9 +1,10 @@
-"""Jupyter wire format <-> the kernel WebSocket protocol (legacy JSON framing).
+"""Jupyter wire format <-> the kernel WebSocket protocols.
 
-Kernel messages are relayed on the hot path of every cell, so a message from the
-kernel is not re-encoded: its signed JSON frames are checked and spliced into the
-WebSocket text as they are. Only the small header and parent header are parsed.
-Messages with binary buffers use Jupyter's binary framing (offset table + parts).
+Two WebSocket framings are spoken: the legacy JSON one, and
+``v1.kernel.websocket.jupyter.org``, whose binary frames carry the message parts as
+they are. Kernel messages are relayed on the hot path of every cell, so their
+signed JSON parts are never re-encoded: they are checked and then spliced (legacy)
+or packed (v1). Only the small header and parent header are parsed, for routing.
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ from __future__ import annotations
 import hmac
 import json
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from hashlib import sha256
 from typing import Any
 
 DELIMITER = b"<IDS|MSG>"
+V1_PROTOCOL = "v1.kernel.websocket.jupyter.org"
+CLIENT_CHANNELS = ("shell", "control", "stdin")
 
 
 class WireError(ValueError):
@@ -24,13 +27,49 @@ class WireError(ValueError):
 
 @dataclass(slots=True)
 class KernelMessage:
-    """A message from the kernel: parsed header fields plus the ready-to-send frame."""
+    """A message from the kernel: routing fields plus its four JSON parts, untouched."""
 
+    channel: str
     msg_id: str
     msg_type: str
     parent_msg_id: str | None
-    content_raw: bytes
-    frame: str | bytes
+    parts: list[bytes]  # header, parent_header, metadata, content
+    buffers: list[bytes] = field(default_factory=list)
+    _legacy: str | bytes | None = None
+
+    @property
+    def content_raw(self) -> bytes:
+        return self.parts[3]
+
+    def frame(self, protocol: str | None) -> str | bytes:
+        return pack_v1(self.channel, self.parts, self.buffers) if protocol == V1_PROTOCOL \
+            else self.legacy_frame()
+
+    def legacy_frame(self) -> str | bytes:
+        if self._legacy is None:
+            header, parent, metadata, content = (part.decode() for part in self.parts)
+            text = "".join((
+                '{"header":', header,
+                ',"msg_id":', json.dumps(self.msg_id),
+                ',"msg_type":', json.dumps(self.msg_type),
+                ',"parent_header":', parent,
+                ',"metadata":', metadata,
+                ',"content":', content,
+                ',"buffers":[],"channel":"', self.channel, '"}',
+            ))
+            self._legacy = text if not self.buffers else pack_legacy_binary(
+                text.encode(), self.buffers)
+        return self._legacy
+
+
+@dataclass(slots=True)
+class ClientMessage:
+    """A message from a WebSocket client, serialized and ready to sign."""
+
+    channel: str
+    msg_id: str
+    parts: list[bytes]
+    buffers: list[bytes]
 
 
 class WireCodec:
@@ -55,66 +94,84 @@ class WireCodec:
         if len(frames) < start + 6:
             raise WireError("truncated message")
         signature = frames[start + 1]
-        header, parent, metadata, content = frames[start + 2 : start + 6]
-        buffers = frames[start + 6 :]
-        if self._auth is not None and not hmac.compare_digest(
-            signature, self.sign([header, parent, metadata, content])
-        ):
+        parts = frames[start + 2 : start + 6]
+        if self._auth is not None and not hmac.compare_digest(signature, self.sign(parts)):
             raise WireError("invalid message signature")
-        head = json.loads(header)
-        parent_head = json.loads(parent) if parent != b"{}" else {}
-        msg_id = head.get("msg_id", "")
-        msg_type = head.get("msg_type", "")
-        text = "".join((
-            '{"header":', header.decode(),
-            ',"msg_id":', json.dumps(msg_id),
-            ',"msg_type":', json.dumps(msg_type),
-            ',"parent_header":', parent.decode(),
-            ',"metadata":', metadata.decode(),
-            ',"content":', content.decode(),
-            ',"buffers":[],"channel":"', channel, '"}',
-        ))
-        frame: str | bytes = text if not buffers else pack_binary(text.encode(), buffers)
-        return KernelMessage(msg_id, msg_type, parent_head.get("msg_id"), content, frame)
+        head = json.loads(parts[0])
+        parent = json.loads(parts[1]) if parts[1] != b"{}" else {}
+        return KernelMessage(channel, head.get("msg_id", ""), head.get("msg_type", ""),
+                             parent.get("msg_id"), parts, frames[start + 6 :])
 
-    def to_kernel(self, message: dict[str, Any], buffers: list[bytes]) -> list[bytes]:
-        """Serialize a client message into signed wire frames (without routing ids)."""
-        parts = [
-            _dump(message.get("header") or {}),
-            _dump(message.get("parent_header") or {}),
-            _dump(message.get("metadata") or {}),
-            _dump(message.get("content") or {}),
-        ]
-        return [DELIMITER, self.sign(parts), *parts, *buffers]
+    def to_kernel(self, message: ClientMessage) -> list[bytes]:
+        """Signed wire frames (without routing identities) for a client message."""
+        return [DELIMITER, self.sign(message.parts), *message.parts, *message.buffers]
+
+    def internal(self, header: dict[str, Any], content: dict[str, Any]) -> list[bytes]:
+        parts = [_dump(header), b"{}", b"{}", _dump(content)]
+        return [DELIMITER, self.sign(parts), *parts]
 
 
 def _dump(value: Any) -> bytes:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False, default=str).encode()
 
 
-def parse_client_frame(data: str | bytes) -> tuple[str, dict[str, Any], list[bytes]]:
-    """Decode a WebSocket frame from a client into (channel, message, buffers)."""
-    if isinstance(data, bytes):
-        parts = unpack_binary(data)
-        message = json.loads(parts[0])
-        buffers = parts[1:]
+def parse_client_frame(data: str | bytes, protocol: str | None) -> ClientMessage:
+    """Decode a WebSocket frame from a client, in whichever protocol it speaks."""
+    channel: object
+    if protocol == V1_PROTOCOL:
+        if not isinstance(data, bytes):
+            raise WireError("the v1 protocol sends binary frames")
+        channel, parts, buffers = unpack_v1(data)
+        try:
+            header = json.loads(parts[0])
+        except ValueError as exc:
+            raise WireError("header is not JSON") from exc
     else:
-        message = json.loads(data)
-        buffers = []
-    if not isinstance(message, dict):
-        raise WireError("a kernel message must be a JSON object")
-    channel = message.pop("channel", None)
-    if channel not in ("shell", "control", "stdin"):
+        if isinstance(data, bytes):
+            pieces = unpack_legacy_binary(data)
+            message = json.loads(pieces[0])
+            buffers = pieces[1:]
+        else:
+            message = json.loads(data)
+            buffers = []
+        if not isinstance(message, dict):
+            raise WireError("a kernel message must be a JSON object")
+        channel = message.get("channel")
+        header = message.get("header")
+        parts = [_dump(message.get(name) or {})
+                 for name in ("header", "parent_header", "metadata", "content")]
+    if not isinstance(channel, str) or channel not in CLIENT_CHANNELS:
         raise WireError(f"cannot send to channel {channel!r}")
-    header = message.get("header")
     if not isinstance(header, dict) or not header.get("msg_id"):
         raise WireError("message header with a msg_id is required")
-    message.pop("buffers", None)
-    return channel, message, buffers
+    return ClientMessage(channel, str(header["msg_id"]), parts, buffers)
 
 
-def pack_binary(json_part: bytes, buffers: list[bytes]) -> bytes:
-    """Jupyter's binary WebSocket framing: count, offsets, then the parts."""
+def pack_v1(channel: str, parts: list[bytes], buffers: list[bytes]) -> bytes:
+    """``v1.kernel.websocket.jupyter.org``: little-endian u64 offsets, then the parts."""
+    pieces = [channel.encode(), *parts, *buffers]
+    offsets = [8 * (len(pieces) + 2)]
+    for piece in pieces:
+        offsets.append(offsets[-1] + len(piece))
+    head = struct.pack(f"<{len(offsets) + 1}Q", len(offsets), *offsets)
+    return head + b"".join(pieces)
+
+
+def unpack_v1(data: bytes) -> tuple[str, list[bytes], list[bytes]]:
+    if len(data) < 8:
+        raise WireError("v1 frame too short")
+    (count,) = struct.unpack_from("<Q", data, 0)
+    if count < 6 or len(data) < 8 * (count + 1):
+        raise WireError("bad v1 frame header")
+    offsets = struct.unpack_from(f"<{count}Q", data, 8)
+    if list(offsets) != sorted(offsets) or offsets[-1] > len(data):
+        raise WireError("bad v1 frame offsets")
+    pieces = [data[offsets[i] : offsets[i + 1]] for i in range(count - 1)]
+    return pieces[0].decode("utf-8", "replace"), pieces[1:5], pieces[5:]
+
+
+def pack_legacy_binary(json_part: bytes, buffers: list[bytes]) -> bytes:
+    """Legacy binary framing (messages with buffers): count, offsets, then the parts."""
     parts = [json_part, *buffers]
     offsets = [4 * (len(parts) + 1)]
     for part in parts[:-1]:
@@ -122,7 +179,7 @@ def pack_binary(json_part: bytes, buffers: list[bytes]) -> bytes:
     return struct.pack(f"!{len(parts) + 1}I", len(parts), *offsets) + b"".join(parts)
 
 
-def unpack_binary(data: bytes) -> list[bytes]:
+def unpack_legacy_binary(data: bytes) -> list[bytes]:
     if len(data) < 4:
         raise WireError("binary frame too short")
     (count,) = struct.unpack_from("!I", data, 0)

@@ -15,6 +15,8 @@ from typing import Any
 
 import websockets
 
+from nbfleet.agent.wire import V1_PROTOCOL, pack_v1, unpack_v1
+
 
 @dataclass
 class CellResult:
@@ -43,15 +45,20 @@ class CellResult:
 
 
 class KernelSocket:
+    """``v1=True`` asks for ``v1.kernel.websocket.jupyter.org`` (binary frames)."""
+
     def __init__(self, connection: Any) -> None:
         self.connection = connection
         self.session = uuid.uuid4().hex
+        self.v1 = connection.subprotocol == V1_PROTOCOL
 
     @classmethod
-    async def connect(cls, url: str, token: str | None = None) -> KernelSocket:
+    async def connect(cls, url: str, token: str | None = None, v1: bool = False) -> KernelSocket:
         headers = {"Authorization": f"token {token}"} if token else {}
-        connection = await websockets.connect(url, additional_headers=headers, max_size=None,
-                                              compression=None, open_timeout=30)
+        connection = await websockets.connect(
+            url, additional_headers=headers, max_size=None, compression=None, open_timeout=30,
+            subprotocols=[V1_PROTOCOL] if v1 else None,  # type: ignore[list-item]
+        )
         return cls(connection)
 
     def message(self, msg_type: str, content: dict[str, Any], channel: str) -> dict[str, Any]:
@@ -65,12 +72,23 @@ class KernelSocket:
         }
 
     async def send(self, msg: dict[str, Any]) -> None:
-        await self.connection.send(json.dumps(msg))
+        if not self.v1:
+            await self.connection.send(json.dumps(msg))
+            return
+        parts = [json.dumps(msg[name]).encode()
+                 for name in ("header", "parent_header", "metadata", "content")]
+        await self.connection.send(pack_v1(msg["channel"], parts, []))
 
     async def receive(self, timeout: float = 60.0) -> dict[str, Any]:
         raw = await asyncio.wait_for(self.connection.recv(), timeout)
-        message: dict[str, Any] = json.loads(raw)
-        return message
+        if not self.v1:
+            message: dict[str, Any] = json.loads(raw)
+            return message
+        channel, parts, buffers = unpack_v1(raw)
+        header, parent, metadata, content = (json.loads(part) for part in parts)
+        return {"channel": channel, "header": header, "parent_header": parent,
+                "metadata": metadata, "content": content, "buffers": buffers,
+                "msg_id": header.get("msg_id"), "msg_type": header.get("msg_type")}
 
     async def execute(self, code: str, timeout: float = 60.0,
                       wait_for_idle: bool = True) -> CellResult:

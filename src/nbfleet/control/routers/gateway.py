@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 from sqlalchemy import select
 
+from nbfleet.agent.wire import V1_PROTOCOL
 from nbfleet.control import hosts, workspaces
 from nbfleet.control.auth import Principal, resolve
 from nbfleet.control.deps import current_principal, platform_of, token_of
@@ -211,10 +212,13 @@ async def kernel_channels(websocket: WebSocket, workspace_id: str, kernel_id: st
         await websocket.close(code=4000 + exc.status, reason=exc.detail[:120])
         return
     upstream_url = platform.agents.channels_url(host, kernel_id)
+    # Offer the agent the client's protocol; frames then pass through untouched.
+    wants_v1 = V1_PROTOCOL in (websocket.scope.get("subprotocols") or [])
     try:
         upstream = await websockets.connect(
             upstream_url,
             additional_headers={"Authorization": f"Bearer {platform.config.secret}"},
+            subprotocols=[V1_PROTOCOL] if wants_v1 else None,  # type: ignore[list-item]
             max_size=None,
             compression=None,
             open_timeout=10,
@@ -223,7 +227,7 @@ async def kernel_channels(websocket: WebSocket, workspace_id: str, kernel_id: st
         log.warning("cannot reach kernel %s on %s: %s", kernel_id, host, exc)
         await websocket.close(code=1011, reason="kernel host unreachable")
         return
-    await websocket.accept()
+    await websocket.accept(subprotocol=upstream.subprotocol)
     await _pump_both_ways(websocket, upstream)
 
 
