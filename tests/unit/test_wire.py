@@ -74,7 +74,7 @@ def test_client_frames_in_both_protocols_sign_the_same_parts() -> None:
 
 
 @pytest.mark.parametrize(("frame", "protocol", "message"), [
-    ("{not json", None, ""),
+    ("{not json", None, "Expecting property name"),
     ("[1, 2]", None, "JSON object"),
     (json.dumps({"channel": "iopub", "header": HEADER}), None, "channel"),
     (json.dumps({"channel": "shell", "header": {}}), None, "msg_id"),
