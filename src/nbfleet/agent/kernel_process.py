@@ -103,6 +103,8 @@ class KernelProcess:
         self._tasks: list[asyncio.Task[None]] = []
         self._sockets: dict[str, zmq.asyncio.Socket] = {}
         self._stopping = False
+        #: Serializes restart and shutdown; the death watcher stands aside while held.
+        self._lifecycle = asyncio.Lock()
         self._on_activity = on_activity
         os.makedirs(connection_dir, mode=0o700, exist_ok=True)
         # IPC sockets in a private directory: no other local user can reach the kernel,
@@ -176,13 +178,21 @@ class KernelProcess:
         await self.manager.interrupt_kernel()
 
     async def restart(self) -> None:
-        self._broadcast_status("restarting")
-        self._requesters.clear()
-        await self.manager.restart_kernel(now=True)
-        await self._wait_ready()
+        async with self._lifecycle:
+            if self._stopping:
+                return
+            self._ready.clear()
+            self._broadcast_status("restarting")
+            self._requesters.clear()
+            await self.manager.restart_kernel(now=True)
+            await self._wait_ready()
 
     async def shutdown(self) -> None:
         self._stopping = True
+        async with self._lifecycle:
+            await self._shutdown()
+
+    async def _shutdown(self) -> None:
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -202,9 +212,9 @@ class KernelProcess:
         """Restart a kernel that died by itself (e.g. the user called os._exit)."""
         while True:
             await asyncio.sleep(1.0)
-            if self._stopping or not self._ready.is_set():
+            if self._stopping or not self._ready.is_set() or self._lifecycle.locked():
                 continue
-            if not await self.manager.is_alive():
+            if not await self.manager.is_alive() and not self._lifecycle.locked():
                 log.warning("kernel %s died; restarting it", self.id)
                 self.execution_state = "restarting"
                 try:
