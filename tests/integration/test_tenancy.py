@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import stat
 
 import pytest
 from sqlalchemy import create_engine, text
-from websockets.exceptions import WebSocketException
+from websockets.exceptions import InvalidStatus
 
 from nbfleet.sdk.kernel_socket import KernelSocket
 from tests.support.cluster import Cluster, create_running
@@ -61,8 +62,10 @@ def test_cross_tenant_requests_answer_404(shared_cluster: Cluster) -> None:
         finally:
             await sock.close()
 
-    with pytest.raises(WebSocketException):
+    with pytest.raises(InvalidStatus) as refused:
         asyncio.run(connect(mallory_token))
+    assert refused.value.response.status_code == 404
+    assert json.loads(refused.value.response.body)["title"] == "Not found"
     assert asyncio.run(connect(alice_token)) == "in\n"
     assert alice.get(f"/v1/workspaces/{ws}/files/secret.txt").content == b"s3cret"
 
@@ -104,3 +107,47 @@ def test_kernels_do_not_see_control_plane_secrets(shared_cluster: Cluster) -> No
     env = asyncio.run(environment())
     assert "NBFLEET" not in env
     assert secret not in env
+
+
+def test_kernels_cannot_read_the_host_or_other_workspaces(shared_cluster: Cluster) -> None:
+    """The sandbox: no control-plane secrets, DB or other tenants' runtimes in view."""
+    inventory = shared_cluster.admin().get("/v1/admin/agents").json()["items"][0]["inventory"]
+    if inventory["sandbox"] != "bwrap":
+        if os.environ.get("CI"):
+            pytest.fail("CI must run kernels in the bubblewrap sandbox")
+        pytest.skip("bubblewrap is not available on this machine")
+    alice = shared_cluster.new_user(org="sbx-a", project="p")
+    bob = shared_cluster.new_user(org="sbx-b", project="p")
+    ws_alice, ws_bob = create_running(alice), create_running(bob)
+    bob.put(f"/v1/workspaces/{ws_bob}/files/bob-secret.txt", content=b"bob's data")
+    kernel = alice.post(f"/v1/workspaces/{ws_alice}/api/kernels", json={}).json()["id"]
+    bob.post(f"/v1/workspaces/{ws_bob}/api/kernels", json={})
+    token = alice.headers["Authorization"].split()[1]
+    home = shared_cluster.home
+    agent_dir = shared_cluster.root / "agent1"
+    probes = {
+        "secret": home / "cluster-secret",
+        "admin": home / "admin-token",
+        "bob": agent_dir / "runtimes" / ws_bob / "files" / "bob-secret.txt",
+    }
+    code = "\n".join([
+        "import os, glob",
+        *(f"print({name!r}, os.path.exists({str(path)!r}))" for name, path in probes.items()),
+        f"print('runtimes', sorted(os.listdir({str(agent_dir / 'runtimes')!r})))",
+        "print('ipc', sorted(glob.glob('/tmp/nbfleet-*/*')))",
+        "open('mine.txt', 'w').write('ok'); print('own', open('mine.txt').read())",
+        "try:\n    open('/usr/evil', 'w')\nexcept OSError as e:\n    print('rootfs', e.errno)",
+    ])
+
+    async def run() -> str:
+        sock = await KernelSocket.connect(shared_cluster.channels_url(ws_alice, kernel), token)
+        try:
+            return (await sock.execute(code)).stdout
+        finally:
+            await sock.close()
+
+    lines = dict(line.split(" ", 1) for line in asyncio.run(run()).splitlines())
+    assert lines["secret"] == lines["admin"] == lines["bob"] == "False", lines
+    assert lines["runtimes"] == repr([ws_alice])
+    assert ws_bob not in lines["ipc"] and lines["own"] == "ok"
+    assert lines["rootfs"] == "30"  # EROFS: the root filesystem is read-only

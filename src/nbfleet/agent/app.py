@@ -15,9 +15,9 @@ from pydantic import BaseModel, Field
 from nbfleet.agent.kernel_process import Client, KernelProcess
 from nbfleet.agent.service import AgentService
 from nbfleet.agent.wire import V1_PROTOCOL, WireError, parse_client_frame
-from nbfleet.model.errors import Unauthorized
+from nbfleet.model.errors import NotFound, Unauthorized
 from nbfleet.storage.paths import confine
-from nbfleet.web.problems import bearer_token, install_problem_handlers
+from nbfleet.web.problems import bearer_token, deny_websocket, install_problem_handlers
 
 log = logging.getLogger(__name__)
 
@@ -111,11 +111,11 @@ def create_agent_app(service: AgentService) -> FastAPI:
     @app.websocket("/agent/v1/kernels/{kernel_id}/channels")
     async def channels(websocket: WebSocket, kernel_id: str) -> None:
         if not authorized(bearer_token(websocket.headers.get("authorization"))):
-            await websocket.close(code=1008, reason="unauthorized")
+            await deny_websocket(websocket, Unauthorized("agent calls need the cluster secret"))
             return
         kernel = service.manager.kernels.get(kernel_id)
         if kernel is None:
-            await websocket.close(code=4004, reason="no such kernel")
+            await deny_websocket(websocket, NotFound(f"no kernel {kernel_id} on this host"))
             return
         offered = websocket.scope.get("subprotocols") or []
         protocol = V1_PROTOCOL if V1_PROTOCOL in offered else None

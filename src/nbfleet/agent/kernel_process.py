@@ -23,6 +23,7 @@ import zmq
 import zmq.asyncio
 from jupyter_client.manager import AsyncKernelManager
 
+from nbfleet.agent.sandbox import Sandbox
 from nbfleet.agent.wire import ClientMessage, KernelMessage, WireCodec, WireError
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,19 @@ class Client:
                 self.queue.put_nowait(None)
 
 
+class SandboxedKernelManager(AsyncKernelManager):
+    """Runs the kernelspec's command inside the sandbox, when there is one."""
+
+    sandbox: Sandbox | None = None
+    visible: list[str] = []
+
+    def format_kernel_cmd(self, extra_arguments: list[str] | None = None) -> list[str]:
+        argv: list[str] = super().format_kernel_cmd(extra_arguments)
+        if self.sandbox is None:
+            return argv
+        return self.sandbox.wrap(argv, self.visible, self.visible[0])
+
+
 class KernelProcess:
     def __init__(
         self,
@@ -85,7 +99,12 @@ class KernelProcess:
         env: dict[str, str],
         connection_dir: str,
         on_activity: Callable[[], None] | None = None,
+        sandbox: Sandbox | None = None,
+        visible: tuple[str, ...] = (),
     ) -> None:
+        """``connection_dir`` holds the kernel's IPC sockets: keep its path short
+        (a socket path must fit in 107 bytes). ``visible`` lists the directories,
+        besides the working directory and ``connection_dir``, the sandbox exposes."""
         self.id = kernel_id
         self.workspace_id = workspace_id
         self.name = name
@@ -109,12 +128,14 @@ class KernelProcess:
         os.makedirs(connection_dir, mode=0o700, exist_ok=True)
         # IPC sockets in a private directory: no other local user can reach the kernel,
         # which TCP on loopback would allow.
-        self.manager = AsyncKernelManager(
+        self.manager = SandboxedKernelManager(
             kernel_name=name,
             transport="ipc",
             ip=os.path.join(connection_dir, f"k-{kernel_id[:8]}"),
             connection_file=os.path.join(connection_dir, f"kernel-{kernel_id}.json"),
         )
+        self.manager.sandbox = sandbox
+        self.manager.visible = [workdir, connection_dir, *visible]
         self.codec: WireCodec | None = None
         self._identity = uuid.uuid4().hex.encode()
 
@@ -269,8 +290,7 @@ class KernelProcess:
             self._touch()
             self._broadcast(message)
             return
-        if parent in self._internal:
-            self._internal.discard(parent)
+        if parent in self._internal:  # kept: its iopub status may still follow
             self._shell_seen.set()
             return
         self._touch()

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from nbfleet.agent import filesync
 from nbfleet.agent.kernel_process import KernelProcess
+from nbfleet.agent.sandbox import Sandbox
 from nbfleet.model.errors import Conflict, NotFound
 from nbfleet.storage.files import WorkspaceFiles
 
@@ -24,14 +25,20 @@ log = logging.getLogger(__name__)
 
 #: Environment variables a kernel may inherit. Everything else, the control plane's
 #: secrets included, is withheld from user code.
-_INHERITED_ENV = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR")
+_INHERITED_ENV = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ")
 
 
 def kernel_env(home: str) -> dict[str, str]:
     env = {name: os.environ[name] for name in _INHERITED_ENV if name in os.environ}
     venv_bin = os.path.dirname(sys.executable)
     env["PATH"] = f"{venv_bin}:{env.get('PATH', '/usr/bin:/bin')}"
-    env.update(HOME=home, PYTHONUNBUFFERED="1", MPLBACKEND="agg")
+    env.update(
+        HOME=home,
+        TMPDIR="/tmp",  # private to the kernel inside the sandbox
+        PYTHONUNBUFFERED="1",
+        MPLBACKEND="agg",
+        PYDEVD_DISABLE_FILE_VALIDATION="1",  # silences debugpy's frozen-modules warning
+    )
     return env
 
 
@@ -40,6 +47,7 @@ class Runtime:
     workspace_id: str
     generation: int
     root: str
+    sockets: str  # short path: IPC socket paths must fit in 107 bytes
     manifest: filesync.Manifest = field(default_factory=dict)
     kernels: dict[str, KernelProcess] = field(default_factory=dict)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -54,8 +62,11 @@ class Runtime:
 
 
 class RuntimeManager:
-    def __init__(self, state_dir: str, files: WorkspaceFiles, release_delay_s: float = 0.0) -> None:
+    def __init__(self, state_dir: str, files: WorkspaceFiles, sockets_dir: str,
+                 sandbox: Sandbox | None = None, release_delay_s: float = 0.0) -> None:
         self.state_dir = state_dir
+        self.sockets_dir = sockets_dir
+        self.sandbox = sandbox
         self.files = files
         self.runtimes: dict[str, Runtime] = {}
         self.kernels: dict[str, KernelProcess] = {}
@@ -84,8 +95,10 @@ class RuntimeManager:
             runtime = self.runtimes.get(workspace_id)
             if runtime is None:
                 root = os.path.join(self.state_dir, "runtimes", workspace_id)
-                runtime = Runtime(workspace_id, generation, root)
+                sockets = os.path.join(self.sockets_dir, workspace_id)
+                runtime = Runtime(workspace_id, generation, root, sockets)
                 os.makedirs(runtime.home, exist_ok=True)
+                os.makedirs(sockets, mode=0o700, exist_ok=True)
                 runtime.manifest = await asyncio.to_thread(
                     filesync.materialize, self.files, workspace_id, runtime.workdir
                 )
@@ -114,7 +127,9 @@ class RuntimeManager:
             name,
             runtime.workdir,
             kernel_env(runtime.home),
-            os.path.join(self.state_dir, "connections"),
+            runtime.sockets,
+            sandbox=self.sandbox,
+            visible=(runtime.home,),
         )
         try:
             await kernel.start()
@@ -164,6 +179,7 @@ class RuntimeManager:
             )
         self.runtimes.pop(runtime.workspace_id, None)
         await asyncio.to_thread(shutil.rmtree, runtime.root, True)
+        await asyncio.to_thread(shutil.rmtree, runtime.sockets, True)
 
     async def write_file(self, workspace_id: str, path: str, data: bytes | None) -> None:
         """Mirror an API write into a live runtime (``None`` deletes)."""

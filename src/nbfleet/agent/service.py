@@ -7,6 +7,8 @@ import contextlib
 import logging
 import os
 import secrets
+import shutil
+import tempfile
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +17,7 @@ import httpx
 from jupyter_client.kernelspec import KernelSpecManager
 
 from nbfleet.agent.runtimes import RuntimeManager
+from nbfleet.agent.sandbox import make_sandbox
 from nbfleet.model.resources import HostInventory, parse_gpu_spec
 from nbfleet.storage.blobs import BlobStore
 from nbfleet.storage.files import WorkspaceFiles
@@ -32,6 +35,10 @@ class AgentConfig:
     gpus: str = ""
     advertise_url: str = ""  # filled in once the listening port is known
     release_delay_s: float = 0.0
+    sandbox: str = "auto"  # auto | bwrap | none
+    #: Directories kernels must never see besides the agent's own state (e.g. the
+    #: control plane's home with its DB and secrets, in embedded mode).
+    hidden_paths: list[str] = field(default_factory=list)
     millicpus: int = field(default_factory=lambda: (os.cpu_count() or 1) * 1000)
     memory_mb: int = field(
         default_factory=lambda: os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20
@@ -67,6 +74,14 @@ class AgentService:
         self.inventory = HostInventory(config.millicpus, config.memory_mb,
                                        parse_gpu_spec(config.gpus))
         self.runtimes: RuntimeManager | None = None
+        self.state_dir = os.path.realpath(config.state_dir)
+        # IPC socket paths must fit in 107 bytes, so they live under a short path.
+        self.sockets_dir = os.path.join(tempfile.gettempdir(), f"nbfleet-{self.agent_id}")
+        self.sandbox = make_sandbox(
+            config.sandbox,
+            [self.state_dir, self.sockets_dir,
+             *(os.path.realpath(p) for p in config.hidden_paths)],
+        )
         self._http = httpx.AsyncClient(
             base_url=config.control_url,
             headers={"Authorization": f"Bearer {config.secret}"},
@@ -85,6 +100,7 @@ class AgentService:
             "url": self.config.advertise_url,
             "boot_id": self.boot_id,
             "inventory": {
+                "sandbox": "bwrap" if self.sandbox is not None else "none",
                 "millicpus": self.inventory.millicpus,
                 "memory_mb": self.inventory.memory_mb,
                 "gpus": [
@@ -109,8 +125,12 @@ class AgentService:
                 await asyncio.sleep(0.5)
         if self.runtimes is None:
             files = WorkspaceFiles(BlobStore(body["blobs_url"]))
+            # Whatever a previous boot left here belonged to kernels that are gone.
+            shutil.rmtree(self.sockets_dir, ignore_errors=True)
+            os.makedirs(self.sockets_dir, mode=0o700)
             self.runtimes = RuntimeManager(
-                self.config.state_dir, files, release_delay_s=self.config.release_delay_s
+                self.state_dir, files, self.sockets_dir,
+                sandbox=self.sandbox, release_delay_s=self.config.release_delay_s,
             )
         log.info("registered as %s (%s)", self.agent_id, self.boot_id)
 
@@ -138,4 +158,5 @@ class AgentService:
                 await beat
             if self.runtimes is not None:
                 await self.runtimes.shutdown()
+            shutil.rmtree(self.sockets_dir, ignore_errors=True)
             await self._http.aclose()

@@ -34,14 +34,23 @@ console = Console(stderr=True)
 HOME_OPT = typer.Option(None, "--home", envvar="NBFLEET_HOME",
                         help="State directory [default: ./.nbfleet]")
 LOG_OPT = typer.Option("warning", "--log-level", help="debug, info, warning or error")
+SANDBOX_OPT = typer.Option(
+    "auto", "--sandbox",
+    help="Kernel isolation: bwrap (bubblewrap, required), none, or auto (bwrap if it works)",
+)
 
 
-def _check_gpus(gpus: str) -> None:
+def _check_agent_options(gpus: str, sandbox: str) -> None:
+    from nbfleet.agent.sandbox import MODES
+
     try:
         parse_gpu_spec(gpus)
     except DomainError as exc:
         console.print(f"[red]error:[/red] {exc.detail}")
         raise typer.Exit(2) from exc
+    if sandbox not in MODES:
+        console.print(f"[red]error:[/red] --sandbox must be one of {', '.join(MODES)}")
+        raise typer.Exit(2)
 
 
 def _control(home: Path, db: str | None, blobs: str | None, secret: str | None,
@@ -80,6 +89,7 @@ def up(
     host: str = typer.Option("127.0.0.1", help="Address to listen on"),
     port: int = typer.Option(DEFAULT_PORT, help="Port of the control plane"),
     gpus: str = typer.Option("4xA100-80GB", help="Virtual GPUs of the embedded agent"),
+    sandbox: str = SANDBOX_OPT,
     log_level: str = LOG_OPT,
 ) -> None:
     """Run the whole platform on this machine: control plane + one agent, SQLite, local blobs."""
@@ -92,12 +102,13 @@ def up(
     )
 
     configure_logging(log_level)
-    _check_gpus(gpus)
+    _check_agent_options(gpus, sandbox)
     state = home_dir(home)
     control, url, token = _control(state, None, None, None, host, port, log_level)
     agent = agent_server(
         AgentConfig(control_url=url, secret=load_or_create_secret(state / "cluster-secret"),
-                    state_dir=str(state / "agent"), gpus=gpus),
+                    state_dir=str(state / "agent"), gpus=gpus, sandbox=sandbox,
+                    hidden_paths=[str(state)]),
         "127.0.0.1", 0, log_level,
     )
     _banner(url, token, state)
@@ -138,6 +149,7 @@ def agent(
     gpus: str = typer.Option("", help="Virtual GPUs, e.g. 4xA100-80GB,2xH100-80GB"),
     host: str = typer.Option("127.0.0.1"),
     port: int = typer.Option(0, help="0 picks a free port"),
+    sandbox: str = SANDBOX_OPT,
     log_level: str = LOG_OPT,
 ) -> None:
     """Run one agent (host) that registers with a control plane."""
@@ -145,14 +157,14 @@ def agent(
     from nbfleet.cli.servers import agent_server, configure_logging, serve_all
 
     configure_logging(log_level)
-    _check_gpus(gpus)
+    _check_agent_options(gpus, sandbox)
     state = home_dir(home)
     secret = secret or _read_secret(state / "cluster-secret")
     release_delay = float(os.environ.get("NBFLEET_FAULT_RELEASE_DELAY_S", "0"))
     serving = agent_server(
         AgentConfig(control_url=control_url.rstrip("/"), secret=secret,
                     state_dir=state_dir or str(state / "agent"), gpus=gpus,
-                    release_delay_s=release_delay),
+                    release_delay_s=release_delay, sandbox=sandbox, hidden_paths=[str(state)]),
         host, port, log_level,
     )
     asyncio.run(serve_all([serving]))

@@ -65,11 +65,22 @@ class Serving:
 
 
 def agent_server(config: AgentConfig, host: str, port: int, log_level: str) -> Serving:
+    """Build the agent's server; exits with a message if its sandbox cannot run."""
+    import typer
+    from rich.console import Console
+
+    from nbfleet.agent.sandbox import SandboxUnavailable
+
+    try:
+        service = AgentService(config)
+    except SandboxUnavailable as exc:
+        Console(stderr=True).print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(2) from exc
     sock = bind(host, port)
     bound_host, bound_port = sock.getsockname()[:2]
     if not config.advertise_url:
         config.advertise_url = f"http://{bound_host}:{bound_port}"
-    app = create_agent_app(AgentService(config))
+    app = create_agent_app(service)
     return Serving(_Server(uvicorn_config(app, log_level)), sock)
 
 

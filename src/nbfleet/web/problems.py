@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
@@ -65,3 +65,17 @@ def bearer_token(authorization: str | None) -> str | None:
     if scheme.lower() in ("bearer", "token") and value.strip():
         return value.strip()
     return None
+
+
+async def deny_websocket(websocket: WebSocket, error: DomainError) -> None:
+    """Refuse a WebSocket handshake with the HTTP status and problem the REST API gives.
+
+    Where the server lacks the denial-response extension, a close code of 4000 plus
+    the status carries it instead.
+    """
+    if "websocket.http.response" in websocket.scope.get("extensions", {}):
+        await websocket.send_denial_response(
+            problem(error.status, error.title, error.detail, websocket.url.path, **error.extra)
+        )
+    else:
+        await websocket.close(code=4000 + error.status, reason=error.detail[:120])

@@ -28,6 +28,7 @@ from nbfleet.control.platform import Platform
 from nbfleet.db.tables import Agent, Kernel
 from nbfleet.model.errors import Conflict, DomainError, InvalidInput, NotFound
 from nbfleet.model.workspace import WorkspaceState
+from nbfleet.web.problems import deny_websocket
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/workspaces/{workspace_id}", tags=["kernel gateway"])
@@ -208,8 +209,7 @@ async def kernel_channels(websocket: WebSocket, workspace_id: str, kernel_id: st
         principal = await asyncio.to_thread(_principal, platform, websocket)
         host = await _kernel_host(platform, principal, workspace_id, kernel_id)
     except DomainError as exc:
-        # 4xxx close codes carry the HTTP status the REST API would have given.
-        await websocket.close(code=4000 + exc.status, reason=exc.detail[:120])
+        await deny_websocket(websocket, exc)
         return
     upstream_url = platform.agents.channels_url(host, kernel_id)
     # Offer the agent the client's protocol; frames then pass through untouched.

@@ -1,0 +1,70 @@
+"""Kernel isolation with bubblewrap: each kernel sees only its own workspace.
+
+Inside the sandbox the root filesystem is read-only, ``/tmp`` is private, and the
+agent's state (every workspace's runtime), the control plane's home (its DB and
+secrets) and the IPC sockets of other kernels are hidden under empty tmpfs mounts;
+only the kernel's own runtime directory and socket directory are bound back.
+Without bubblewrap (``--sandbox none``, or ``auto`` where it is missing) kernels
+run as plain processes, and the agent says so loudly at start-up.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+MODES = ("auto", "bwrap", "none")
+
+
+class SandboxUnavailable(RuntimeError):
+    """``--sandbox bwrap`` was asked for but bubblewrap cannot run here."""
+
+
+@dataclass(frozen=True, slots=True)
+class Sandbox:
+    bwrap: str
+    hidden: tuple[str, ...]
+
+    def wrap(self, argv: list[str], visible: list[str], workdir: str) -> list[str]:
+        command = [self.bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
+                   "--tmpfs", "/tmp"]
+        for path in self.hidden:
+            command += ["--tmpfs", path]
+        for path in visible:
+            command += ["--bind", path, path]
+        command += ["--die-with-parent", "--chdir", workdir, "--", *argv]
+        # Interrupts are sent to the kernel's process group, which bwrap shares. bwrap
+        # must ignore SIGINT (ignoring survives exec), or an interrupt would kill it and,
+        # through --die-with-parent, the kernel; ipykernel sets its own SIGINT handler.
+        return ["/bin/sh", "-c", 'trap "" INT; exec "$@"', "nbfleet-sandbox", *command]
+
+
+def _works(bwrap: str) -> bool:
+    try:
+        probe = subprocess.run([bwrap, "--ro-bind", "/", "/", "--tmpfs", "/tmp", "true"],
+                               capture_output=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return probe.returncode == 0
+
+
+def make_sandbox(mode: str, hidden: list[str]) -> Sandbox | None:
+    if mode not in MODES:
+        raise ValueError(f"sandbox must be one of {', '.join(MODES)}, not {mode!r}")
+    if mode == "none":
+        return None
+    bwrap = shutil.which("bwrap")
+    if bwrap is not None and _works(bwrap):
+        return Sandbox(bwrap, tuple(dict.fromkeys(hidden)))
+    if mode == "bwrap":
+        raise SandboxUnavailable(
+            "bubblewrap is not installed or cannot create namespaces here "
+            "(install the 'bubblewrap' package, or pass --sandbox none)"
+        )
+    log.warning("bubblewrap is unavailable: kernels run WITHOUT a sandbox and can read "
+                "this host's files; install 'bubblewrap' for isolation")
+    return None
