@@ -2,22 +2,26 @@
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
-from nbfleet.sdk.kernel_socket import KernelSocket
-from tests.support.cluster import Cluster, create_running, wait_state, wait_until
+import httpx
+
+from tests.support.cluster import (
+    Cluster,
+    create_running,
+    outcome,
+    run_cell,
+    start_kernel,
+    wait_state,
+    wait_until,
+)
 
 SLOW_RELEASE = {"NBFLEET_FAULT_RELEASE_DELAY_S": "3"}
 
 
-async def _run(cluster: Cluster, ws: str, kernel: str, token: str, code: str) -> str:
-    sock = await KernelSocket.connect(cluster.channels_url(ws, kernel), token)
-    try:
-        result = await sock.execute(code)
-        return result.stdout if result.status == "ok" else str(result.error_name)
-    finally:
-        await sock.close()
+def _runner(cluster: Cluster, client, ws: str, kernel: str):  # type: ignore[no-untyped-def]
+    """run(code) -> stdout or the error name, through the gateway."""
+    return lambda code: outcome(run_cell(cluster, client, ws, kernel, code))
 
 
 def _events(client, ws: str) -> list[tuple[str | None, str]]:  # type: ignore[no-untyped-def]
@@ -32,10 +36,8 @@ def test_kill_control_mid_suspend_converges_to_suspended(tmp_path: Path, db_url:
         cluster.start_agent(env=SLOW_RELEASE)
         client = cluster.new_user()
         ws = create_running(client)
-        kernel = client.post(f"/v1/workspaces/{ws}/api/kernels", json={}).json()["id"]
-        token = client.headers["Authorization"].split()[1]
-        assert asyncio.run(_run(cluster, ws, kernel, token,
-                                "open('out.txt','w').write('kept'); print(1)")) == "1\n"
+        run = _runner(cluster, client, ws, start_kernel(client, ws))
+        assert run("open('out.txt','w').write('kept'); print(1)") == "1\n"
 
         client.post(f"/v1/workspaces/{ws}/suspend")
         wait_state(client, ws, "suspending")
@@ -50,8 +52,6 @@ def test_kill_control_mid_suspend_converges_to_suspended(tmp_path: Path, db_url:
         agents = cluster.admin().get("/v1/admin/agents").json()["items"]
         host = agents[0]["url"]
         secret = (cluster.home / "cluster-secret").read_text().strip()
-        import httpx
-
         left = httpx.get(f"{host}/agent/v1/kernels", headers={"Authorization": f"Bearer {secret}"})
         assert left.json() == []
         # And it resumes normally afterwards.
@@ -64,17 +64,14 @@ def test_kill_control_mid_suspend_converges_to_suspended(tmp_path: Path, db_url:
 def test_control_restart_adopts_running_kernels(cluster: Cluster) -> None:
     client = cluster.new_user()
     ws = create_running(client)
-    kernel = client.post(f"/v1/workspaces/{ws}/api/kernels", json={}).json()["id"]
-    token = client.headers["Authorization"].split()[1]
-    assert asyncio.run(_run(cluster, ws, kernel, token,
-                            "import os; pid = os.getpid(); state = 'alive'; print(pid)"))
-    before = asyncio.run(_run(cluster, ws, kernel, token, "print(pid)"))
+    run = _runner(cluster, client, ws, start_kernel(client, ws))
+    before = run("import os; pid = os.getpid(); state = 'alive'; print(pid)")
+    assert before.strip().isdigit()
 
     cluster.kill_control()
     cluster.start_control()
 
-    assert asyncio.run(_run(cluster, ws, kernel, token, "print(pid, state)")) == \
-        f"{before.strip()} alive\n"
+    assert run("print(pid, state)") == f"{before.strip()} alive\n"
     assert client.get(f"/v1/workspaces/{ws}").json()["state"] == "running"
     assert _events(client, ws)[-1] == ("creating", "running")  # no re-placement happened
 
@@ -83,9 +80,8 @@ def test_kill_agent_while_running_replaces_the_runtime(cluster: Cluster) -> None
     client = cluster.new_user()
     ws = create_running(client)
     client.put(f"/v1/workspaces/{ws}/files/keep.txt", content=b"safe in the blob store")
-    kernel = client.post(f"/v1/workspaces/{ws}/api/kernels", json={}).json()["id"]
-    token = client.headers["Authorization"].split()[1]
-    asyncio.run(_run(cluster, ws, kernel, token, "v = 1"))
+    run = _runner(cluster, client, ws, start_kernel(client, ws))
+    run("v = 1")
 
     cluster.kill_agent()  # the host dies with its kernels
     cluster.start_agent()  # comes back with a new boot id
@@ -95,9 +91,8 @@ def test_kill_agent_while_running_replaces_the_runtime(cluster: Cluster) -> None
         return ("running", "resuming") in events and events[-1] == ("resuming", "running")
 
     wait_until(replaced, 60, what="re-placement after the agent restart")
-    assert asyncio.run(_run(cluster, ws, kernel, token,
-                            "print(open('keep.txt').read())")) == "safe in the blob store\n"
-    assert asyncio.run(_run(cluster, ws, kernel, token, "print(v)")) == "NameError"
+    assert run("print(open('keep.txt').read())") == "safe in the blob store\n"
+    assert run("print(v)") == "NameError"
 
 
 def test_kill_agent_mid_suspend_still_suspends(tmp_path: Path, db_url: str) -> None:

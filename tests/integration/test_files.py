@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import nbformat
 import pytest
 
-from nbfleet.sdk.kernel_socket import KernelSocket
-from tests.support.cluster import Cluster, create_running, wait_state
+from tests.support.cluster import (
+    Cluster,
+    create_running,
+    outcome,
+    run_cell,
+    start_kernel,
+    wait_state,
+)
 
 
 @pytest.fixture(scope="module")
@@ -63,19 +68,9 @@ def test_path_traversal_is_refused(owner, path: str) -> None:  # type: ignore[no
 def test_symlinks_made_by_kernel_code_are_not_synced(shared_cluster: Cluster) -> None:
     client = shared_cluster.new_user(org="files", project="links")
     ws = create_running(client)
-    kernel = client.post(f"/v1/workspaces/{ws}/api/kernels", json={}).json()["id"]
-    token = client.headers["Authorization"].split()[1]
-
-    async def run() -> None:
-        sock = await KernelSocket.connect(shared_cluster.channels_url(ws, kernel), token)
-        try:
-            code = ("import os; os.symlink('/etc/hostname', 'leak.txt'); "
-                    "open('real.txt', 'w').write('ok')")
-            assert (await sock.execute(code)).status == "ok"
-        finally:
-            await sock.close()
-
-    asyncio.run(run())
+    kernel = start_kernel(client, ws)
+    code = "import os; os.symlink('/etc/hostname', 'leak.txt'); open('real.txt', 'w').write('ok')"
+    assert run_cell(shared_cluster, client, ws, kernel, code).status == "ok"
     client.post(f"/v1/workspaces/{ws}/suspend")
     wait_state(client, ws, "suspended")
     paths = {f["path"] for f in client.get(f"/v1/workspaces/{ws}/files").json()["files"]}
@@ -84,20 +79,15 @@ def test_symlinks_made_by_kernel_code_are_not_synced(shared_cluster: Cluster) ->
 
 def test_api_writes_reach_the_running_kernel(owner, shared_cluster: Cluster) -> None:  # type: ignore[no-untyped-def]
     client, ws = owner
-    kernel = client.post(f"/v1/workspaces/{ws}/api/kernels", json={}).json()["id"]
-    token = client.headers["Authorization"].split()[1]
+    kernel = start_kernel(client, ws)
     client.put(f"/v1/workspaces/{ws}/files/sub/dir/input.txt", content=b"from the api")
 
-    async def run(code: str) -> str:
-        sock = await KernelSocket.connect(shared_cluster.channels_url(ws, kernel), token)
-        try:
-            return (await sock.execute(code)).stdout
-        finally:
-            await sock.close()
+    def run(code: str) -> str:
+        return outcome(run_cell(shared_cluster, client, ws, kernel, code))
 
-    assert asyncio.run(run("print(open('sub/dir/input.txt').read())")) == "from the api\n"
+    assert run("print(open('sub/dir/input.txt').read())") == "from the api\n"
     client.delete(f"/v1/workspaces/{ws}/files/sub/dir/input.txt")
-    assert asyncio.run(run("import os; print(os.path.exists('sub/dir/input.txt'))")) == "False\n"
+    assert run("import os; print(os.path.exists('sub/dir/input.txt'))") == "False\n"
 
 
 def test_missing_file_is_404(owner) -> None:  # type: ignore[no-untyped-def]

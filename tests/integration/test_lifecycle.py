@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import httpx
 import nbformat
 
-from nbfleet.sdk.kernel_socket import KernelSocket
-from tests.support.cluster import Cluster, create_running, wait_state
+from tests.support.cluster import (
+    Cluster,
+    create_running,
+    outcome,
+    run_cell,
+    start_kernel,
+    wait_state,
+)
 
 
 def notebook_bytes() -> bytes:
@@ -91,18 +95,12 @@ def test_flip_flopping_requests_converge(shared_cluster: Cluster) -> None:
 def test_resume_starts_fresh_kernels_with_the_same_ids(shared_cluster: Cluster) -> None:
     client = shared_cluster.new_user()
     ws = create_running(client)
-    kernel = client.post(f"/v1/workspaces/{ws}/api/kernels", json={"name": "python3"}).json()
-    token = client.headers["Authorization"].split()[1]
+    kernel = start_kernel(client, ws)
 
-    async def run(code: str) -> str:
-        sock = await KernelSocket.connect(shared_cluster.channels_url(ws, kernel["id"]), token)
-        try:
-            result = await sock.execute(code)
-            return result.stdout if result.status == "ok" else str(result.error_name)
-        finally:
-            await sock.close()
+    def run(code: str) -> str:
+        return outcome(run_cell(shared_cluster, client, ws, kernel, code))
 
-    assert asyncio.run(run("open('made-by-kernel.txt', 'w').write('hi'); v = 5; print(v)")) == "5\n"
+    assert run("open('made-by-kernel.txt', 'w').write('hi'); v = 5; print(v)") == "5\n"
     client.post(f"/v1/workspaces/{ws}/suspend")
     wait_state(client, ws, "suspended")
     # The kernel's own file was synced back to the blob store on suspend.
@@ -111,9 +109,9 @@ def test_resume_starts_fresh_kernels_with_the_same_ids(shared_cluster: Cluster) 
     client.post(f"/v1/workspaces/{ws}/resume")
     wait_state(client, ws, "running")
     kernels = client.get(f"/v1/workspaces/{ws}/api/kernels").json()
-    assert [k["id"] for k in kernels] == [kernel["id"]]
+    assert [k["id"] for k in kernels] == [kernel]
     # Fresh process: the variable is gone (restoring it is a later issue's work).
-    assert asyncio.run(run("print(v)")) == "NameError"
+    assert run("print(v)") == "NameError"
 
 
 def test_list_paginates(shared_cluster: Cluster) -> None:

@@ -12,7 +12,7 @@ from sqlalchemy import create_engine, text
 from websockets.exceptions import InvalidStatus
 
 from nbfleet.sdk.kernel_socket import KernelSocket
-from tests.support.cluster import Cluster, create_running
+from tests.support.cluster import Cluster, create_running, run_cell, start_kernel, token_of
 
 
 def test_cross_tenant_requests_answer_404(shared_cluster: Cluster) -> None:
@@ -21,7 +21,7 @@ def test_cross_tenant_requests_answer_404(shared_cluster: Cluster) -> None:
     same_org_other_project = shared_cluster.new_user(org="alpha", project="p2")
     ws = create_running(alice)
     alice.put(f"/v1/workspaces/{ws}/files/secret.txt", content=b"s3cret")
-    kernel = alice.post(f"/v1/workspaces/{ws}/api/kernels", json={}).json()["id"]
+    kernel = start_kernel(alice, ws)
 
     probes = [
         ("GET", f"/v1/workspaces/{ws}"),
@@ -52,21 +52,12 @@ def test_cross_tenant_requests_answer_404(shared_cluster: Cluster) -> None:
     assert missing.json()["title"] == mallory.get(f"/v1/workspaces/{ws}").json()["title"]
 
     # The kernel socket refuses the outsider too, and the owner still gets in.
-    mallory_token = mallory.headers["Authorization"].split()[1]
-    alice_token = alice.headers["Authorization"].split()[1]
-
-    async def connect(token: str) -> str:
-        sock = await KernelSocket.connect(shared_cluster.channels_url(ws, kernel), token)
-        try:
-            return (await sock.execute("print('in')")).stdout
-        finally:
-            await sock.close()
-
     with pytest.raises(InvalidStatus) as refused:
-        asyncio.run(connect(mallory_token))
+        asyncio.run(KernelSocket.connect(shared_cluster.channels_url(ws, kernel),
+                                         token_of(mallory)))
     assert refused.value.response.status_code == 404
     assert json.loads(refused.value.response.body)["title"] == "Not found"
-    assert asyncio.run(connect(alice_token)) == "in\n"
+    assert run_cell(shared_cluster, alice, ws, kernel, "print('in')").stdout == "in\n"
     assert alice.get(f"/v1/workspaces/{ws}/files/secret.txt").content == b"s3cret"
 
 
@@ -79,7 +70,7 @@ def test_admin_routes_are_invisible_to_users(shared_cluster: Cluster) -> None:
 
 def test_tokens_are_stored_hashed(shared_cluster: Cluster) -> None:
     user = shared_cluster.new_user()
-    token = user.headers["Authorization"].split()[1]
+    token = token_of(user)
     engine = create_engine(shared_cluster.db_url.replace("postgresql://", "postgresql+psycopg://"))
     with engine.connect() as conn:
         rows = [r[0] for r in conn.execute(text("SELECT token_hash FROM api_tokens"))]
@@ -93,18 +84,9 @@ def test_tokens_are_stored_hashed(shared_cluster: Cluster) -> None:
 def test_kernels_do_not_see_control_plane_secrets(shared_cluster: Cluster) -> None:
     client = shared_cluster.new_user()
     ws = create_running(client)
-    kernel = client.post(f"/v1/workspaces/{ws}/api/kernels", json={}).json()["id"]
-    token = client.headers["Authorization"].split()[1]
     secret = (shared_cluster.home / "cluster-secret").read_text().strip()
-
-    async def environment() -> str:
-        sock = await KernelSocket.connect(shared_cluster.channels_url(ws, kernel), token)
-        try:
-            return (await sock.execute("import os; print(repr(dict(os.environ)))")).stdout
-        finally:
-            await sock.close()
-
-    env = asyncio.run(environment())
+    env = run_cell(shared_cluster, client, ws, start_kernel(client, ws),
+                   "import os; print(repr(dict(os.environ)))").stdout
     assert "NBFLEET" not in env
     assert secret not in env
 
@@ -120,9 +102,8 @@ def test_kernels_cannot_read_the_host_or_other_workspaces(shared_cluster: Cluste
     bob = shared_cluster.new_user(org="sbx-b", project="p")
     ws_alice, ws_bob = create_running(alice), create_running(bob)
     bob.put(f"/v1/workspaces/{ws_bob}/files/bob-secret.txt", content=b"bob's data")
-    kernel = alice.post(f"/v1/workspaces/{ws_alice}/api/kernels", json={}).json()["id"]
-    bob.post(f"/v1/workspaces/{ws_bob}/api/kernels", json={})
-    token = alice.headers["Authorization"].split()[1]
+    kernel = start_kernel(alice, ws_alice)
+    start_kernel(bob, ws_bob)
     home = shared_cluster.home
     agent_dir = shared_cluster.root / "agent1"
     probes = {
@@ -139,14 +120,8 @@ def test_kernels_cannot_read_the_host_or_other_workspaces(shared_cluster: Cluste
         "try:\n    open('/usr/evil', 'w')\nexcept OSError as e:\n    print('rootfs', e.errno)",
     ])
 
-    async def run() -> str:
-        sock = await KernelSocket.connect(shared_cluster.channels_url(ws_alice, kernel), token)
-        try:
-            return (await sock.execute(code)).stdout
-        finally:
-            await sock.close()
-
-    lines = dict(line.split(" ", 1) for line in asyncio.run(run()).splitlines())
+    output = run_cell(shared_cluster, alice, ws_alice, kernel, code).stdout
+    lines = dict(line.split(" ", 1) for line in output.splitlines())
     assert lines["secret"] == lines["admin"] == lines["bob"] == "False", lines
     assert lines["runtimes"] == repr([ws_alice])
     assert ws_bob not in lines["ipc"] and lines["own"] == "ok"

@@ -6,6 +6,7 @@ as subprocesses, so tests can kill -9 them and restart them like an operator wou
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -18,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from nbfleet.sdk.kernel_socket import CellResult, KernelSocket
 
 NBFLEET = [sys.executable, "-m", "nbfleet.cli.main"]
 
@@ -172,3 +175,33 @@ def create_running(client: httpx.Client, name: str = "ws") -> str:
     workspace_id: str = response.json()["id"]
     wait_state(client, workspace_id, "running")
     return workspace_id
+
+
+def token_of(client: httpx.Client) -> str:
+    return str(client.headers["Authorization"]).split()[1]
+
+
+def start_kernel(client: httpx.Client, workspace_id: str) -> str:
+    response = client.post(f"/v1/workspaces/{workspace_id}/api/kernels", json={})
+    response.raise_for_status()
+    return str(response.json()["id"])
+
+
+def run_cell(cluster: Cluster, client: httpx.Client, workspace_id: str, kernel_id: str,
+             code: str) -> CellResult:
+    """Connect to the kernel through the gateway, run one cell, disconnect."""
+
+    async def run() -> CellResult:
+        sock = await KernelSocket.connect(cluster.channels_url(workspace_id, kernel_id),
+                                          token_of(client))
+        try:
+            return await sock.execute(code)
+        finally:
+            await sock.close()
+
+    return asyncio.run(run())
+
+
+def outcome(result: CellResult) -> str:
+    """stdout of a successful cell, else the name of its error."""
+    return result.stdout if result.status == "ok" else str(result.error_name)

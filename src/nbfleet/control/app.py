@@ -10,7 +10,7 @@ from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from nbfleet import __version__
-from nbfleet.control import leases
+from nbfleet.control import housekeeping, leases
 from nbfleet.control.platform import ControlConfig, Platform
 from nbfleet.control.reconciler import LEASE, Reconciler
 from nbfleet.control.routers import admin, files, gateway, internal, workspaces
@@ -24,17 +24,19 @@ def create_app(config: ControlConfig, run_reconciler: bool = True) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        task = None
+        tasks = []
         if run_reconciler:
-            task = asyncio.create_task(Reconciler(platform).run_forever())
+            tasks = [asyncio.create_task(Reconciler(platform).run_forever()),
+                     asyncio.create_task(housekeeping.run_forever(platform))]
         try:
             yield
         finally:
-            if task is not None:
+            for task in tasks:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-                await asyncio.to_thread(leases.release, platform.db, LEASE, platform.instance_id)
+            for lease in (LEASE, housekeeping.LEASE):  # let another replica take over now
+                await asyncio.to_thread(leases.release, platform.db, lease, platform.instance_id)
             await platform.aclose()
 
     app = FastAPI(

@@ -43,7 +43,9 @@ def still_held(session: Session, name: str, token: int) -> bool:
 
 
 def release(db: Database, name: str, holder: str) -> None:
+    """Expire the lease now. The row stays, so the next holder's token is higher:
+    deleting it would restart tokens at 1 and let a stale holder pass as current."""
     with db.transaction() as session:
         row = session.get(Lease, name, with_for_update=True)
         if row is not None and row.holder == holder:
-            session.delete(row)
+            row.expires_at = db.now(session)

@@ -126,7 +126,7 @@ class IdempotencyKey(Base):
     response: Mapped[dict[str, Any] | None]
     #: An unfinished claim may be taken over after this (its holder crashed).
     locked_until: Mapped[datetime]
-    created_at: Mapped[datetime]
+    created_at: Mapped[datetime] = mapped_column(index=True)  # for the retention purge
 
 
 class Lease(Base):

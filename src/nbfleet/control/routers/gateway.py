@@ -166,19 +166,22 @@ async def _kernel_host(platform: Platform, principal: Principal, workspace_id: s
     return where.host_url
 
 
+async def kernel_host(workspace_id: str, kernel_id: str, request: Request,
+                      principal: Principal = Depends(current_principal)) -> str:
+    """Dependency: the URL of the agent running this caller's kernel (else 404)."""
+    return await _kernel_host(platform_of(request), principal, workspace_id, kernel_id)
+
+
 @router.get("/api/kernels/{kernel_id}", summary="Get a kernel")
-async def get_kernel(workspace_id: str, kernel_id: str, request: Request,
-                     principal: Principal = Depends(current_principal)) -> dict[str, Any]:
-    platform = platform_of(request)
-    host = await _kernel_host(platform, principal, workspace_id, kernel_id)
-    return _jupyter_model(await platform.agents.kernel(host, kernel_id))
+async def get_kernel(kernel_id: str, request: Request,
+                     host: str = Depends(kernel_host)) -> dict[str, Any]:
+    return _jupyter_model(await platform_of(request).agents.kernel(host, kernel_id))
 
 
 @router.delete("/api/kernels/{kernel_id}", status_code=204, summary="Shut a kernel down")
-async def delete_kernel(workspace_id: str, kernel_id: str, request: Request,
-                        principal: Principal = Depends(current_principal)) -> Response:
+async def delete_kernel(kernel_id: str, request: Request,
+                        host: str = Depends(kernel_host)) -> Response:
     platform = platform_of(request)
-    host = await _kernel_host(platform, principal, workspace_id, kernel_id)
     with contextlib.suppress(NotFound):
         await platform.agents.delete_kernel(host, kernel_id)
     await asyncio.to_thread(_delete_kernel_row, platform, kernel_id)
@@ -186,20 +189,16 @@ async def delete_kernel(workspace_id: str, kernel_id: str, request: Request,
 
 
 @router.post("/api/kernels/{kernel_id}/interrupt", status_code=204, summary="Interrupt a kernel")
-async def interrupt_kernel(workspace_id: str, kernel_id: str, request: Request,
-                           principal: Principal = Depends(current_principal)) -> Response:
-    platform = platform_of(request)
-    host = await _kernel_host(platform, principal, workspace_id, kernel_id)
-    await platform.agents.interrupt(host, kernel_id)
+async def interrupt_kernel(kernel_id: str, request: Request,
+                           host: str = Depends(kernel_host)) -> Response:
+    await platform_of(request).agents.interrupt(host, kernel_id)
     return Response(status_code=204)
 
 
 @router.post("/api/kernels/{kernel_id}/restart", summary="Restart a kernel")
-async def restart_kernel(workspace_id: str, kernel_id: str, request: Request,
-                         principal: Principal = Depends(current_principal)) -> dict[str, Any]:
-    platform = platform_of(request)
-    host = await _kernel_host(platform, principal, workspace_id, kernel_id)
-    return _jupyter_model(await platform.agents.restart(host, kernel_id))
+async def restart_kernel(kernel_id: str, request: Request,
+                         host: str = Depends(kernel_host)) -> dict[str, Any]:
+    return _jupyter_model(await platform_of(request).agents.restart(host, kernel_id))
 
 
 @router.websocket("/api/kernels/{kernel_id}/channels")

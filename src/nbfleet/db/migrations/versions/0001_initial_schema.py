@@ -1,8 +1,8 @@
 """initial schema
 
 Revision ID: 0001
-Revises:
-Create Date: 2026-11-21 07:18:13.605027
+Revises: 
+Create Date: 2026-11-21 08:11:58.412520
 """
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ def upgrade() -> None:
     sa.Column('created_at', nbfleet.db.types.UTCDateTime(timezone=True), nullable=False),
     sa.PrimaryKeyConstraint('owner_id', 'key')
     )
+    with op.batch_alter_table('idempotency_keys', schema=None) as batch_op:
+        batch_op.create_index(batch_op.f('ix_idempotency_keys_created_at'), ['created_at'], unique=False)
+
     op.create_table('leases',
     sa.Column('name', sa.String(length=100), nullable=False),
     sa.Column('holder', sa.String(length=100), nullable=False),
@@ -110,6 +113,7 @@ def upgrade() -> None:
     sa.PrimaryKeyConstraint('id')
     )
     with op.batch_alter_table('workspaces', schema=None) as batch_op:
+        batch_op.create_index(batch_op.f('ix_workspaces_host_id'), ['host_id'], unique=False)
         batch_op.create_index('ix_workspaces_pending', ['pending', 'next_attempt_at'], unique=False)
         batch_op.create_index('ix_workspaces_tenant', ['org_id', 'project_id', 'id'], unique=False)
 
@@ -153,6 +157,7 @@ def downgrade() -> None:
     with op.batch_alter_table('workspaces', schema=None) as batch_op:
         batch_op.drop_index('ix_workspaces_tenant')
         batch_op.drop_index('ix_workspaces_pending')
+        batch_op.drop_index(batch_op.f('ix_workspaces_host_id'))
 
     op.drop_table('workspaces')
     with op.batch_alter_table('api_tokens', schema=None) as batch_op:
@@ -163,6 +168,9 @@ def downgrade() -> None:
     op.drop_table('projects')
     op.drop_table('orgs')
     op.drop_table('leases')
+    with op.batch_alter_table('idempotency_keys', schema=None) as batch_op:
+        batch_op.drop_index(batch_op.f('ix_idempotency_keys_created_at'))
+
     op.drop_table('idempotency_keys')
     op.drop_table('agents')
     # ### end Alembic commands ###
