@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import httpx
@@ -141,3 +142,22 @@ def test_two_control_planes_do_not_double_apply(tmp_path: Path, db_url: str) -> 
     finally:
         cluster.stop()
         twin.stop()
+
+
+def test_a_workspace_waits_for_a_host_and_says_why(tmp_path: Path, db_url: str) -> None:
+    cluster = Cluster(tmp_path, db_url)
+    try:
+        cluster.start_control()  # no agent yet
+        client = cluster.new_user()
+        ws = client.post("/v1/workspaces", json={"name": "patient"}).json()["id"]
+        body = wait_until(
+            lambda: (b := client.get(f"/v1/workspaces/{ws}").json())["last_error"] and b,
+            30, what="the reason to be reported")
+        assert body["state"] == "creating"
+        assert body["last_error"] == "no host is available"
+        time.sleep(16)  # five failed attempts: the next would come 8 to 16 s later
+        cluster.start_agent()
+        body = wait_state(client, ws, "running", timeout=4)  # the new host ends the backoff
+        assert body["last_error"] is None
+    finally:
+        cluster.stop()

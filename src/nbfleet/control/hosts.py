@@ -10,7 +10,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from nbfleet.control.workspaces import transition
@@ -21,12 +21,16 @@ from nbfleet.policy.placement import HostLoad
 
 
 def register(session: Session, now: datetime, body: dict[str, Any]) -> int:
-    """Upsert an agent; returns how many workspaces lost their runtime to a reboot."""
+    """Upsert an agent; returns how many workspaces now have work to do.
+
+    A new host, or a host back with a new boot, also ends the backoff of workspaces
+    waiting for a place to run: they should not sleep through the capacity arriving.
+    """
     agent = session.get(Agent, body["id"], with_for_update=True)
     if agent is None:
         session.add(Agent(id=body["id"], url=body["url"], boot_id=body["boot_id"],
                           inventory=body["inventory"], registered_at=now, last_heartbeat_at=now))
-        return 0
+        return _end_placement_backoff(session)
     agent.url = body["url"]
     agent.inventory = body["inventory"]
     agent.last_heartbeat_at = now
@@ -34,7 +38,18 @@ def register(session: Session, now: datetime, body: dict[str, Any]) -> int:
         return 0
     agent.boot_id = body["boot_id"]
     agent.registered_at = now
-    return runtimes_lost(session, agent.id, now, "host restarted", keep_boot=body["boot_id"])
+    lost = runtimes_lost(session, agent.id, now, "host restarted", keep_boot=body["boot_id"])
+    return lost + _end_placement_backoff(session)
+
+
+def _end_placement_backoff(session: Session) -> int:
+    result = session.execute(
+        update(Workspace)
+        .where(Workspace.pending.is_(True), Workspace.host_id.is_(None),
+               Workspace.next_attempt_at.is_not(None))
+        .values(next_attempt_at=None)
+    )
+    return int(getattr(result, "rowcount", 0) or 0)
 
 
 def heartbeat(session: Session, now: datetime, agent_id: str, boot_id: str) -> None:
