@@ -9,7 +9,8 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Depends, FastAPI, Query, Request, WebSocket
+from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response, WebSocket
+from prometheus_client import Gauge
 from pydantic import BaseModel, Field
 
 from nbfleet.agent.kernel_process import Client, KernelProcess
@@ -17,9 +18,13 @@ from nbfleet.agent.service import AgentService
 from nbfleet.agent.wire import V1_PROTOCOL, WireError, parse_client_frame
 from nbfleet.model.errors import NotFound, Unauthorized
 from nbfleet.storage.paths import confine
+from nbfleet.web.metrics import TimingMiddleware, metrics_response
 from nbfleet.web.problems import bearer_token, deny_websocket, install_problem_handlers
 
 log = logging.getLogger(__name__)
+
+KERNELS = Gauge("nbfleet_agent_kernels", "Kernel processes on this host")
+RUNTIMES = Gauge("nbfleet_agent_runtimes", "Workspace runtimes on this host")
 
 
 class KernelRef(BaseModel):
@@ -43,7 +48,10 @@ def create_agent_app(service: AgentService) -> FastAPI:
             yield
 
     app = FastAPI(title="nbfleet agent", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.add_middleware(TimingMiddleware, name="agent")
     install_problem_handlers(app)
+    KERNELS.set_function(lambda: len(service.runtimes.kernels) if service.runtimes else 0)
+    RUNTIMES.set_function(lambda: len(service.runtimes.runtimes) if service.runtimes else 0)
 
     def authorized(token: str | None) -> bool:
         return token is not None and hmac.compare_digest(token, service.config.secret)
@@ -53,6 +61,10 @@ def create_agent_app(service: AgentService) -> FastAPI:
             raise Unauthorized("agent calls need the cluster secret")
 
     api = APIRouter(prefix="/agent/v1", dependencies=[Depends(require_secret)])
+
+    @api.get("/metrics")
+    async def metrics() -> Response:
+        return metrics_response()
 
     @api.get("/health")
     async def health() -> dict[str, Any]:

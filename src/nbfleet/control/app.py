@@ -7,7 +7,6 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from nbfleet import __version__
 from nbfleet.control import housekeeping, leases
@@ -15,6 +14,7 @@ from nbfleet.control.platform import ControlConfig, Platform
 from nbfleet.control.reconciler import LEASE, Reconciler
 from nbfleet.control.routers import admin, files, gateway, internal, workspaces
 from nbfleet.db.migrate import upgrade
+from nbfleet.web.metrics import TimingMiddleware, metrics_response
 from nbfleet.web.problems import install_problem_handlers
 
 
@@ -46,6 +46,7 @@ def create_app(config: ControlConfig, run_reconciler: bool = True) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.platform = platform
+    app.add_middleware(TimingMiddleware, name="control")
     install_problem_handlers(app)
     for module in (workspaces, files, gateway, admin, internal):
         app.include_router(module.router)
@@ -56,6 +57,6 @@ def create_app(config: ControlConfig, run_reconciler: bool = True) -> FastAPI:
 
     @app.get("/metrics", tags=["ops"], summary="Prometheus metrics")
     def metrics() -> Response:
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+        return metrics_response()
 
     return app

@@ -19,6 +19,7 @@ from nbfleet.model.workspace import (
     check_transition,
     is_settled,
 )
+from nbfleet.web.metrics import WORKSPACE_TRANSITIONS
 
 
 def iso(moment: datetime | None) -> str | None:
@@ -94,3 +95,4 @@ def transition(session: Session, ws: Workspace, new: WorkspaceState, now: dateti
     ws.pending = not is_settled(new, DesiredState(ws.desired_state))
     session.add(WorkspaceEvent(workspace_id=ws.id, from_state=old, to_state=new, reason=reason,
                                created_at=now))
+    WORKSPACE_TRANSITIONS.labels(str(old), str(new)).inc()

@@ -1,0 +1,42 @@
+"""Prometheus metrics on the control plane and the agent."""
+
+from __future__ import annotations
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.support.cluster import Cluster, create_running, start_kernel, wait_state
+
+
+def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_control_and_agent_expose_metrics(shared_cluster: Cluster) -> None:
+    client = shared_cluster.new_user(org="metrics", project="p")
+    ws = create_running(client)
+    start_kernel(client, ws)
+    client.get(f"/v1/workspaces/{ws}")
+
+    agent_url = shared_cluster.admin().get("/v1/admin/agents").json()["items"][0]["url"]
+    secret = (shared_cluster.home / "cluster-secret").read_text().strip()
+    agent = samples(httpx.get(f"{agent_url}/agent/v1/metrics",
+                              headers={"Authorization": f"Bearer {secret}"}).text)
+    assert agent[("nbfleet_agent_kernels", frozenset())] >= 1
+    assert agent[("nbfleet_agent_runtimes", frozenset())] >= 1
+    assert httpx.get(f"{agent_url}/agent/v1/metrics").status_code == 401
+
+    client.post(f"/v1/workspaces/{ws}/suspend")
+    wait_state(client, ws, "suspended")
+    control = samples(httpx.get(f"{shared_cluster.url}/metrics").text)
+    suspended = frozenset({("from_state", "suspending"), ("to_state", "suspended")})
+    assert control[("nbfleet_workspace_transitions_total", suspended)] >= 1
+    # Latency is recorded per route template, never per workspace id.
+    get_route = frozenset({("app", "control"), ("method", "GET"), ("status", "200"),
+                           ("route", "/v1/workspaces/{workspace_id}")})
+    assert control[("nbfleet_http_request_duration_seconds_count", get_route)] >= 1
+    assert not any(ws in dict(labels).get("route", "") for (_, labels) in control)
