@@ -132,3 +132,26 @@ async def test_a_kernel_that_dies_is_restarted_and_clients_are_told(kernel: Kern
     kernel.send_from_client(client, probe)
     frames = await reply_to(client, probe.msg_id)
     assert frames[-1]["content"]["status"] == "ok"
+
+
+async def test_requests_without_replies_do_not_grow_memory(
+    kernel: KernelProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """comm messages (widgets) get no reply, so their routing entries must be bounded."""
+    import nbfleet.agent.kernel_process as kernel_process
+
+    monkeypatch.setattr(kernel_process, "REQUESTER_LIMIT", 3)
+    client = kernel.attach()
+    for _ in range(10):
+        comm = parse_client_frame(json.dumps({
+            "channel": "shell",
+            "header": {"msg_id": uuid.uuid4().hex, "msg_type": "comm_msg", "session": "t",
+                       "username": "t", "version": "5.3", "date": "2026-01-01T00:00:00Z"},
+            "parent_header": {}, "metadata": {},
+            "content": {"comm_id": "nope", "data": {}}}), None)
+        kernel.send_from_client(client, comm)
+    assert len(kernel._requesters) == 3
+    probe = execute_request("print('alive')")
+    kernel.send_from_client(client, probe)
+    frames = await reply_to(client, probe.msg_id)
+    assert frames[-1]["content"]["status"] == "ok"

@@ -14,8 +14,7 @@ import json
 import logging
 import os
 import uuid
-from collections import deque
-from collections.abc import Callable
+from collections import OrderedDict, deque
 from datetime import UTC, datetime
 from typing import Any
 
@@ -30,6 +29,7 @@ log = logging.getLogger(__name__)
 
 CHANNELS = ("shell", "control", "stdin", "iopub")
 BUFFER_LIMIT = 10_000
+REQUESTER_LIMIT = 10_000
 CLIENT_QUEUE_LIMIT = 10_000
 READY_TIMEOUT_S = 60.0
 
@@ -98,7 +98,6 @@ class KernelProcess:
         workdir: str,
         env: dict[str, str],
         connection_dir: str,
-        on_activity: Callable[[], None] | None = None,
         sandbox: Sandbox | None = None,
         visible: tuple[str, ...] = (),
     ) -> None:
@@ -114,7 +113,8 @@ class KernelProcess:
         self.last_activity = datetime.now(UTC)
         self.clients: set[Client] = set()
         self._buffer: deque[KernelMessage] = deque(maxlen=BUFFER_LIMIT)
-        self._requesters: dict[str, Client] = {}
+        #: msg_id -> the client awaiting its reply. Bounded: comm messages get no reply.
+        self._requesters: OrderedDict[str, Client] = OrderedDict()
         self._internal: set[str] = set()
         self._ready = asyncio.Event()
         self._shell_seen = asyncio.Event()
@@ -124,7 +124,6 @@ class KernelProcess:
         self._stopping = False
         #: Serializes restart and shutdown; the death watcher stands aside while held.
         self._lifecycle = asyncio.Lock()
-        self._on_activity = on_activity
         os.makedirs(connection_dir, mode=0o700, exist_ok=True)
         # IPC sockets in a private directory: no other local user can reach the kernel,
         # which TCP on loopback would allow.
@@ -262,6 +261,8 @@ class KernelProcess:
         assert self.codec is not None
         if message.channel != "stdin":
             self._requesters[message.msg_id] = client
+            if len(self._requesters) > REQUESTER_LIMIT:
+                self._requesters.popitem(last=False)
         self._touch()
         self._sockets[message.channel].send_multipart(self.codec.to_kernel(message), copy=True)
 
@@ -279,14 +280,13 @@ class KernelProcess:
     def _route(self, channel: str, message: KernelMessage) -> None:
         parent = message.parent_msg_id
         if channel == "iopub":
-            if message.msg_type == "status":
-                state = json.loads(message.content_raw).get("execution_state")
-                if isinstance(state, str) and self._ready.is_set():
-                    self.execution_state = state
-            if parent in self._internal:  # our own readiness nudge: not for clients
-                self._iopub_seen.set()
-                return
             self._iopub_seen.set()
+            if parent in self._internal:  # our own readiness nudge: not for clients
+                return
+            if message.msg_type == "status" and self._ready.is_set():
+                state = json.loads(message.content_raw).get("execution_state")
+                if isinstance(state, str):
+                    self.execution_state = state
             self._touch()
             self._broadcast(message)
             return
@@ -318,8 +318,6 @@ class KernelProcess:
 
     def _touch(self) -> None:
         self.last_activity = datetime.now(UTC)
-        if self._on_activity is not None:
-            self._on_activity()
 
     def model(self) -> dict[str, Any]:
         return {
