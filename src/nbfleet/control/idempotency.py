@@ -55,17 +55,25 @@ def run_idempotent(
             _record(session, owner_id, key, outcome)
         return outcome, False
     except DomainError as exc:
+        if exc.status >= 500:  # transient: a retry must be able to run it again
+            _release(db, owner_id, key)
+            raise
         # A refusal is an answer too: store it so a retry gets the same one.
         outcome = (exc.status, {"title": exc.title, "detail": exc.detail, **exc.extra})
         with db.transaction() as session:
             _record(session, owner_id, key, outcome)
         raise
     except BaseException:
-        with db.transaction() as session:  # let a retry run it again
-            row = session.get(IdempotencyKey, (owner_id, key))
-            if row is not None and row.status_code is None:
-                session.delete(row)
+        _release(db, owner_id, key)
         raise
+
+
+def _release(db: Database, owner_id: str, key: str) -> None:
+    """Drop an unfinished claim, so a retry runs the action again."""
+    with db.transaction() as session:
+        row = session.get(IdempotencyKey, (owner_id, key), with_for_update=True)
+        if row is not None and row.status_code is None:
+            session.delete(row)
 
 
 def _claim(db: Database, owner_id: str, key: str, fingerprint: str) -> Outcome | None:

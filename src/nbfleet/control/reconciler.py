@@ -66,11 +66,11 @@ class Reconciler:
         wake = self.platform.bind_loop()
         interval = self.platform.config.reconcile_interval_s
         while True:
+            wake.clear()  # before the tick: a request arriving during it is not lost
             try:
                 await self.tick()
             except Exception:
                 log.exception("reconciler tick failed")
-            wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(wake.wait(), interval)
 
