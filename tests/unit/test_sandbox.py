@@ -51,3 +51,21 @@ def test_bwrap_mode_fails_clearly_without_bubblewrap(monkeypatch: pytest.MonkeyP
     with pytest.raises(SandboxUnavailable, match="install the 'bubblewrap' package"):
         make_sandbox("bwrap", [])
     assert make_sandbox("auto", []) is None  # auto degrades, with a warning
+
+
+def test_a_python_environment_under_a_hidden_path_stays_visible(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A checkout under /tmp (as in CI) keeps its venv inside the sandbox, read-only."""
+    import nbfleet.agent.sandbox as sandbox_module
+
+    monkeypatch.setattr(shutil, "which", lambda _name: "/usr/bin/bwrap")
+    monkeypatch.setattr(sandbox_module, "_works", lambda _bwrap: True)
+    monkeypatch.setattr(sandbox_module, "python_paths",
+                        lambda: ["/tmp/clone/.venv", "/usr", "/srv/agent/venv"])
+    sandbox = make_sandbox("auto", ["/srv/agent"])
+    assert sandbox is not None
+    assert sandbox.readonly == ("/tmp/clone/.venv", "/srv/agent/venv")
+    argv = sandbox.wrap(["python"], [], "/w")
+    ro = argv.index("/tmp/clone/.venv")
+    assert argv[ro - 1] == "--ro-bind" and ro > argv.index("/srv/agent")  # after the tmpfs

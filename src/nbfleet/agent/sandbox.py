@@ -11,8 +11,10 @@ run as plain processes, and the agent says so loudly at start-up.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -28,12 +30,17 @@ class SandboxUnavailable(RuntimeError):
 class Sandbox:
     bwrap: str
     hidden: tuple[str, ...]
+    #: Read-only paths bound back over hidden ones: the Python environment, when it
+    #: happens to live under /tmp or another hidden directory.
+    readonly: tuple[str, ...] = ()
 
     def wrap(self, argv: list[str], visible: list[str], workdir: str) -> list[str]:
         command = [self.bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
                    "--tmpfs", "/tmp"]
         for path in self.hidden:
             command += ["--tmpfs", path]
+        for path in self.readonly:
+            command += ["--ro-bind", path, path]
         for path in visible:
             command += ["--bind", path, path]
         command += ["--die-with-parent", "--chdir", workdir, "--", *argv]
@@ -41,6 +48,20 @@ class Sandbox:
         # must ignore SIGINT (ignoring survives exec), or an interrupt would kill it and,
         # through --die-with-parent, the kernel; ipykernel sets its own SIGINT handler.
         return ["/bin/sh", "-c", 'trap "" INT; exec "$@"', "nbfleet-sandbox", *command]
+
+
+def python_paths() -> list[str]:
+    """What a kernel needs to start: the interpreter, its environment, and nbfleet's
+    source (an editable install points there)."""
+    import nbfleet
+
+    paths = [sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable)),
+             os.path.dirname(os.path.dirname(os.path.realpath(nbfleet.__file__)))]
+    return [os.path.realpath(p) for p in paths]
+
+
+def _under(path: str, parent: str) -> bool:
+    return path == parent or path.startswith(parent.rstrip("/") + "/")
 
 
 def _works(bwrap: str) -> bool:
@@ -59,7 +80,9 @@ def make_sandbox(mode: str, hidden: list[str]) -> Sandbox | None:
         return None
     bwrap = shutil.which("bwrap")
     if bwrap is not None and _works(bwrap):
-        return Sandbox(bwrap, tuple(dict.fromkeys(hidden)))
+        covered = ["/tmp", *hidden]
+        readonly = [p for p in python_paths() if any(_under(p, c) for c in covered)]
+        return Sandbox(bwrap, tuple(dict.fromkeys(hidden)), tuple(dict.fromkeys(readonly)))
     if mode == "bwrap":
         raise SandboxUnavailable(
             "bubblewrap is not installed or cannot create namespaces here "
