@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.support.cluster import (
     Cluster,
     create_running,
+    events_of,
     outcome,
     run_cell,
     start_kernel,
@@ -25,41 +28,42 @@ def _runner(cluster: Cluster, client, ws: str, kernel: str):  # type: ignore[no-
     return lambda code: outcome(run_cell(cluster, client, ws, kernel, code))
 
 
-def _events(client, ws: str) -> list[tuple[str | None, str]]:  # type: ignore[no-untyped-def]
-    items = client.get(f"/v1/workspaces/{ws}/events").json()["items"]
-    return [(e["from"], e["to"]) for e in items]
-
-
-def test_kill_control_mid_suspend_converges_to_suspended(tmp_path: Path, db_url: str) -> None:
+@pytest.fixture
+def slow_release(tmp_path: Path, db_url: str) -> Iterator[Cluster]:
+    """A cluster whose agent holds every release open for 3 s: time to crash mid-way."""
     cluster = Cluster(tmp_path, db_url)
     try:
         cluster.start_control()
         cluster.start_agent(env=SLOW_RELEASE)
-        client = cluster.new_user()
-        ws = create_running(client)
-        run = _runner(cluster, client, ws, start_kernel(client, ws))
-        assert run("open('out.txt','w').write('kept'); print(1)") == "1\n"
-
-        client.post(f"/v1/workspaces/{ws}/suspend")
-        wait_state(client, ws, "suspending")
-        cluster.kill_control()  # the agent is still holding the release open
-
-        cluster.start_control()
-        body = wait_state(client, ws, "suspended", timeout=60)
-        assert body["host_id"] is None and body["last_error"] is None
-        assert _events(client, ws)[-2:] == [("running", "suspending"), ("suspending", "suspended")]
-        assert client.get(f"/v1/workspaces/{ws}/files/out.txt").content == b"kept"
-        # The runtime really is gone from the host: no kernel processes left behind.
-        agents = cluster.admin().get("/v1/admin/agents").json()["items"]
-        host = agents[0]["url"]
-        secret = (cluster.home / "cluster-secret").read_text().strip()
-        left = httpx.get(f"{host}/agent/v1/kernels", headers={"Authorization": f"Bearer {secret}"})
-        assert left.json() == []
-        # And it resumes normally afterwards.
-        client.post(f"/v1/workspaces/{ws}/resume")
-        wait_state(client, ws, "running")
+        yield cluster
     finally:
         cluster.stop()
+
+
+def test_kill_control_mid_suspend_converges_to_suspended(slow_release: Cluster) -> None:
+    cluster = slow_release
+    client = cluster.new_user()
+    ws = create_running(client)
+    run = _runner(cluster, client, ws, start_kernel(client, ws))
+    assert run("open('out.txt','w').write('kept'); print(1)") == "1\n"
+
+    client.post(f"/v1/workspaces/{ws}/suspend")
+    wait_state(client, ws, "suspending")
+    cluster.kill_control()  # the agent is still holding the release open
+
+    cluster.start_control()
+    body = wait_state(client, ws, "suspended", timeout=60)
+    assert body["host_id"] is None and body["last_error"] is None
+    assert events_of(client, ws)[-2:] == [("running", "suspending"), ("suspending", "suspended")]
+    assert client.get(f"/v1/workspaces/{ws}/files/out.txt").content == b"kept"
+    # The runtime really is gone from the host: no kernel processes left behind.
+    host = cluster.admin().get("/v1/admin/agents").json()["items"][0]["url"]
+    secret = (cluster.home / "cluster-secret").read_text().strip()
+    left = httpx.get(f"{host}/agent/v1/kernels", headers={"Authorization": f"Bearer {secret}"})
+    assert left.json() == []
+    # And it resumes normally afterwards.
+    client.post(f"/v1/workspaces/{ws}/resume")
+    wait_state(client, ws, "running")
 
 
 def test_control_restart_adopts_running_kernels(cluster: Cluster) -> None:
@@ -74,7 +78,7 @@ def test_control_restart_adopts_running_kernels(cluster: Cluster) -> None:
 
     assert run("print(pid, state)") == f"{before.strip()} alive\n"
     assert client.get(f"/v1/workspaces/{ws}").json()["state"] == "running"
-    assert _events(client, ws)[-1] == ("creating", "running")  # no re-placement happened
+    assert events_of(client, ws)[-1] == ("creating", "running")  # no re-placement happened
 
 
 def test_kill_agent_while_running_replaces_the_runtime(cluster: Cluster) -> None:
@@ -88,7 +92,7 @@ def test_kill_agent_while_running_replaces_the_runtime(cluster: Cluster) -> None
     cluster.start_agent()  # comes back with a new boot id
 
     def replaced() -> bool:
-        events = _events(client, ws)
+        events = events_of(client, ws)
         return ("running", "resuming") in events and events[-1] == ("resuming", "running")
 
     wait_until(replaced, 60, what="re-placement after the agent restart")
@@ -96,24 +100,19 @@ def test_kill_agent_while_running_replaces_the_runtime(cluster: Cluster) -> None
     assert run("print(v)") == "NameError"
 
 
-def test_kill_agent_mid_suspend_still_suspends(tmp_path: Path, db_url: str) -> None:
-    cluster = Cluster(tmp_path, db_url)
-    try:
-        cluster.start_control()
-        cluster.start_agent(env=SLOW_RELEASE)
-        client = cluster.new_user()
-        ws = create_running(client)
-        client.put(f"/v1/workspaces/{ws}/files/keep.txt", content=b"x")
-        client.post(f"/v1/workspaces/{ws}/suspend")
-        wait_state(client, ws, "suspending")
-        cluster.kill_agent()
-        cluster.start_agent()
-        wait_state(client, ws, "suspended", timeout=60)
-        assert client.get(f"/v1/workspaces/{ws}/files/keep.txt").content == b"x"
-        client.post(f"/v1/workspaces/{ws}/resume")
-        wait_state(client, ws, "running")
-    finally:
-        cluster.stop()
+def test_kill_agent_mid_suspend_still_suspends(slow_release: Cluster) -> None:
+    cluster = slow_release
+    client = cluster.new_user()
+    ws = create_running(client)
+    client.put(f"/v1/workspaces/{ws}/files/keep.txt", content=b"x")
+    client.post(f"/v1/workspaces/{ws}/suspend")
+    wait_state(client, ws, "suspending")
+    cluster.kill_agent()
+    cluster.start_agent()
+    wait_state(client, ws, "suspended", timeout=60)
+    assert client.get(f"/v1/workspaces/{ws}/files/keep.txt").content == b"x"
+    client.post(f"/v1/workspaces/{ws}/resume")
+    wait_state(client, ws, "running")
 
 
 def test_two_control_planes_do_not_double_apply(tmp_path: Path, db_url: str) -> None:
@@ -135,7 +134,7 @@ def test_two_control_planes_do_not_double_apply(tmp_path: Path, db_url: str) -> 
             (client if i % 2 else other_door).post(f"/v1/workspaces/{ws}/suspend")
         for ws in ids:
             wait_state(other_door, ws, "suspended")
-            assert _events(client, ws) == [
+            assert events_of(client, ws) == [
                 (None, "creating"), ("creating", "running"),
                 ("running", "suspending"), ("suspending", "suspended"),
             ]

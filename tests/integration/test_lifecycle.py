@@ -8,6 +8,7 @@ import nbformat
 from tests.support.cluster import (
     Cluster,
     create_running,
+    events_of,
     outcome,
     run_cell,
     start_kernel,
@@ -43,9 +44,7 @@ def test_create_suspend_resume_delete_keeps_files(shared_cluster: Cluster) -> No
     assert client.get(f"/v1/workspaces/{ws}/files/data.csv").content == b"a,b\n1,2\n"
     assert nbformat.reads(client.get(f"/v1/workspaces/{ws}/files/nb/demo.ipynb").text, 4)
 
-    items = client.get(f"/v1/workspaces/{ws}/events").json()["items"]
-    events = [(e["from"], e["to"]) for e in items]
-    assert events == [
+    assert events_of(client, ws) == [
         (None, "creating"), ("creating", "running"), ("running", "suspending"),
         ("suspending", "suspended"), ("suspended", "resuming"), ("resuming", "running"),
     ]
@@ -79,8 +78,7 @@ def test_duplicate_suspend_requests_are_harmless(shared_cluster: Cluster) -> Non
                    for _ in range(5)]
     assert len(set(generations)) == 1  # only the first one changed the desired state
     wait_state(client, ws, "suspended")
-    events = client.get(f"/v1/workspaces/{ws}/events").json()["items"]
-    assert [e["to"] for e in events].count("suspended") == 1
+    assert [to for _, to in events_of(client, ws)].count("suspended") == 1
 
 
 def test_flip_flopping_requests_converge(shared_cluster: Cluster) -> None:

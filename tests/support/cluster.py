@@ -205,3 +205,9 @@ def run_cell(cluster: Cluster, client: httpx.Client, workspace_id: str, kernel_i
 def outcome(result: CellResult) -> str:
     """stdout of a successful cell, else the name of its error."""
     return result.stdout if result.status == "ok" else str(result.error_name)
+
+
+def events_of(client: httpx.Client, workspace_id: str) -> list[tuple[str | None, str]]:
+    """The workspace's state changes, as (from, to) pairs."""
+    items = client.get(f"/v1/workspaces/{workspace_id}/events").json()["items"]
+    return [(e["from"], e["to"]) for e in items]
