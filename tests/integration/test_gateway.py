@@ -4,12 +4,34 @@ from __future__ import annotations
 
 import asyncio
 import re
+from dataclasses import dataclass
 from datetime import datetime
 
+import httpx
+import pytest
+
 from nbfleet.sdk.kernel_socket import KernelSocket
-from tests.support.cluster import Cluster, create_running, wait_state
+from tests.support.cluster import Cluster, create_running, start_kernel, token_of, wait_state
 
 JUPYTER_TIME = "%Y-%m-%dT%H:%M:%S.%fZ"
+
+
+@dataclass
+class LiveKernel:
+    client: httpx.Client
+    workspace: str
+    kernel: str
+    token: str
+    url: str
+
+
+@pytest.fixture
+def live_kernel(shared_cluster: Cluster) -> LiveKernel:
+    """A new user with a running workspace and a kernel in it."""
+    client = shared_cluster.new_user()
+    ws = create_running(client)
+    kernel = start_kernel(client, ws)
+    return LiveKernel(client, ws, kernel, token_of(client), shared_cluster.channels_url(ws, kernel))
 
 
 def test_kernel_model_matches_jupyter_server(shared_cluster: Cluster) -> None:
@@ -41,13 +63,9 @@ def test_kernel_model_matches_jupyter_server(shared_cluster: Cluster) -> None:
 
 
 def test_output_produced_while_disconnected_is_delivered_on_reconnect(
-    shared_cluster: Cluster,
+    live_kernel: LiveKernel,
 ) -> None:
-    client = shared_cluster.new_user()
-    ws = create_running(client)
-    kernel = client.post(f"/v1/workspaces/{ws}/api/kernels", json={}).json()["id"]
-    token = client.headers["Authorization"].split()[1]
-    url = shared_cluster.channels_url(ws, kernel)
+    token, url = live_kernel.token, live_kernel.url
 
     async def scenario() -> list[str]:
         sock = await KernelSocket.connect(url, token)
@@ -74,12 +92,9 @@ def test_output_produced_while_disconnected_is_delivered_on_reconnect(
     assert "while away" in texts
 
 
-def test_two_clients_share_a_kernel_and_replies_go_to_the_asker(shared_cluster: Cluster) -> None:
-    client = shared_cluster.new_user()
-    ws = create_running(client)
-    kernel = client.post(f"/v1/workspaces/{ws}/api/kernels", json={}).json()["id"]
-    token = client.headers["Authorization"].split()[1]
-    url = shared_cluster.channels_url(ws, kernel)
+def test_two_clients_share_a_kernel_and_replies_go_to_the_asker(live_kernel: LiveKernel) -> None:
+    client, ws, kernel = live_kernel.client, live_kernel.workspace, live_kernel.kernel
+    token, url = live_kernel.token, live_kernel.url
 
     async def scenario() -> tuple[str, int]:
         first = await KernelSocket.connect(url, token)
@@ -99,12 +114,8 @@ def test_two_clients_share_a_kernel_and_replies_go_to_the_asker(shared_cluster: 
     assert connections == 2
 
 
-def test_v1_subprotocol_is_negotiated_end_to_end(shared_cluster: Cluster) -> None:
-    client = shared_cluster.new_user()
-    ws = create_running(client)
-    kernel = client.post(f"/v1/workspaces/{ws}/api/kernels", json={}).json()["id"]
-    token = client.headers["Authorization"].split()[1]
-    url = shared_cluster.channels_url(ws, kernel)
+def test_v1_subprotocol_is_negotiated_end_to_end(live_kernel: LiveKernel) -> None:
+    token, url = live_kernel.token, live_kernel.url
 
     async def scenario() -> tuple[bool, str, bool, str]:
         binary = await KernelSocket.connect(url, token, v1=True)
@@ -132,14 +143,10 @@ def test_kernels_need_a_running_workspace(shared_cluster: Cluster) -> None:
     assert client.get(f"/v1/workspaces/{ws}/api/kernels").json() == []
 
 
-def test_bad_frames_do_not_break_the_socket(shared_cluster: Cluster) -> None:
-    client = shared_cluster.new_user()
-    ws = create_running(client)
-    kernel = client.post(f"/v1/workspaces/{ws}/api/kernels", json={}).json()["id"]
-    token = client.headers["Authorization"].split()[1]
+def test_bad_frames_do_not_break_the_socket(live_kernel: LiveKernel) -> None:
 
     async def scenario() -> str:
-        sock = await KernelSocket.connect(shared_cluster.channels_url(ws, kernel), token)
+        sock = await KernelSocket.connect(live_kernel.url, live_kernel.token)
         try:
             await sock.connection.send("{not json")
             await sock.connection.send('{"channel": "iopub", "header": {"msg_id": "x"}}')
