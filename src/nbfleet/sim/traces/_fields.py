@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import csv
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import TypeVar
+from typing import TextIO, TypeVar
 
 from nbfleet.sim.traces.model import TraceError
 
@@ -64,3 +65,23 @@ def check_columns(where: Where, header: list[str] | None, needed: tuple[str, ...
     if missing:
         raise where.error(f"header lacks column(s) {', '.join(missing)}; "
                           f"expected {','.join(needed)}")
+
+
+def open_text(path: Path) -> TextIO:
+    """Open a trace for reading; a missing or unreadable file is a ``TraceError``."""
+    try:
+        return path.open(encoding="utf-8-sig", newline="")
+    except OSError as exc:
+        raise TraceError(f"cannot read: {exc.strerror or exc}", path) from None
+
+
+def csv_rows(path: Path, columns: tuple[str, ...]) -> Iterator[tuple[Where, dict[str, str]]]:
+    """The rows of a CSV trace with their positions, once its header is checked."""
+    with open_text(path) as handle:
+        reader = csv.DictReader(handle)
+        check_columns(Where(path, 1), list(reader.fieldnames or []) or None, columns)
+        for row in reader:
+            where = Where(path, reader.line_num)
+            if None in row:
+                raise where.error("more fields than the header has")
+            yield where, row

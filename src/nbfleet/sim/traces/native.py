@@ -31,7 +31,8 @@ from typing import Any
 
 from nbfleet.sim.traces._fields import (
     Where,
-    check_columns,
+    csv_rows,
+    open_text,
     parse_float,
     parse_int,
     require,
@@ -56,13 +57,6 @@ def read_native(path: str | Path) -> Trace:
         return read_csv(path)
     raise TraceError("unknown native trace format: expected a .jsonl, .ndjson or .csv file",
                      path)
-
-
-def _open_text(path: Path) -> Any:
-    try:
-        return path.open(encoding="utf-8-sig", newline="")
-    except OSError as exc:
-        raise TraceError(f"cannot read: {exc.strerror or exc}", path) from None
 
 
 def _gpu_types(where: Where, raw: object) -> tuple[str, ...]:
@@ -109,7 +103,7 @@ def read_jsonl(path: str | Path) -> Trace:
     path = Path(path)
     sessions: list[Session] = []
     seen: dict[str, int] = {}
-    with _open_text(path) as handle:
+    with open_text(path) as handle:
         for number, text in enumerate(handle, start=1):
             if not text.strip():
                 continue
@@ -144,30 +138,24 @@ def read_csv(path: str | Path) -> Trace:
     """Read one task per row; see the module docstring for the columns."""
     path = Path(path)
     sessions: dict[str, _CsvSession] = {}
-    with _open_text(path) as handle:
-        reader = csv.DictReader(handle)
-        check_columns(Where(path, 1), list(reader.fieldnames or []) or None, CSV_COLUMNS)
-        for row in reader:
-            where = Where(path, reader.line_num)
-            if None in row:
-                raise where.error("more fields than the header has")
-            sid = str(require(where, row, "session_id"))
-            start = parse_float(where, "session_start_s", require(where, row, "session_start_s"))
-            end = parse_float(where, "session_end_s", require(where, row, "session_end_s"))
-            gpus = parse_int(where, "session_gpus", require(where, row, "session_gpus"))
-            vram = parse_float(where, "session_vram_gb", row.get("session_vram_gb") or 0.0)
-            types_raw = row.get("session_gpu_types") or ""
-            types = tuple(t.strip() for t in types_raw.split(";") if t.strip())
-            known = sessions.get(sid)
-            if known is None:
-                known = _CsvSession(where.line, start, end, gpus, vram, types)
-                sessions[sid] = known
-            elif (known.start_s, known.end_s, known.gpus, known.vram_gb, known.gpu_types) != (
-                    start, end, gpus, vram, types):
-                raise where.error(f"session {sid!r}: its columns differ from line {known.line}")
-            task = _csv_task(where, row, known)
-            if task is not None:
-                known.tasks.append(task)
+    for where, row in csv_rows(path, CSV_COLUMNS):
+        sid = str(require(where, row, "session_id"))
+        start = parse_float(where, "session_start_s", require(where, row, "session_start_s"))
+        end = parse_float(where, "session_end_s", require(where, row, "session_end_s"))
+        gpus = parse_int(where, "session_gpus", require(where, row, "session_gpus"))
+        vram = parse_float(where, "session_vram_gb", row.get("session_vram_gb") or 0.0)
+        types_raw = row.get("session_gpu_types") or ""
+        types = tuple(t.strip() for t in types_raw.split(";") if t.strip())
+        known = sessions.get(sid)
+        if known is None:
+            known = _CsvSession(where.line, start, end, gpus, vram, types)
+            sessions[sid] = known
+        elif (known.start_s, known.end_s, known.gpus, known.vram_gb, known.gpu_types) != (
+                start, end, gpus, vram, types):
+            raise where.error(f"session {sid!r}: its columns differ from line {known.line}")
+        task = _csv_task(where, row, known)
+        if task is not None:
+            known.tasks.append(task)
     built: list[Session] = []
     for sid, known in sessions.items():
         known.tasks.sort(key=lambda t: t.submit_s)

@@ -23,7 +23,6 @@ Assumptions (Tiresias traces have jobs, not sessions):
 
 from __future__ import annotations
 
-import csv
 import statistics
 from dataclasses import dataclass
 from functools import partial
@@ -31,7 +30,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Literal
 
-from nbfleet.sim.traces._fields import Where, check_columns, parse_float, parse_int, require
+from nbfleet.sim.traces._fields import Where, csv_rows, parse_float, parse_int, require
 from nbfleet.sim.traces.model import Session, Task, Trace, TraceError
 
 COLUMNS = ("job_id", "num_gpu", "submit_time", "iterations", "model_name", "duration",
@@ -74,36 +73,26 @@ def read_tiresias(path: str | Path, sessions: SessionMode = "infer",
 
 
 def _read_jobs(path: Path) -> list[_Job]:
-    try:
-        handle = path.open(encoding="utf-8-sig", newline="")
-    except OSError as exc:
-        raise TraceError(f"cannot read: {exc.strerror or exc}", path) from None
     jobs: list[_Job] = []
     seen: dict[str, int] = {}
-    with handle:
-        reader = csv.DictReader(handle)
-        check_columns(Where(path, 1), list(reader.fieldnames or []) or None, COLUMNS)
-        for row in reader:
-            where = Where(path, reader.line_num)
-            if None in row:
-                raise where.error("more fields than the header has")
-            job_id = str(require(where, row, "job_id")).strip()
-            if job_id in seen:
-                raise where.error(f"duplicate job_id {job_id!r} (first on line {seen[job_id]})")
-            seen[job_id] = where.line
-            gpus = parse_int(where, "num_gpu", require(where, row, "num_gpu"))
-            submit = parse_float(where, "submit_time", require(where, row, "submit_time"))
-            duration = parse_float(where, "duration", require(where, row, "duration"))
-            for optional in ("iterations", "interval"):
-                if row.get(optional):
-                    parse_float(where, optional, row[optional])
-            if gpus < 0:
-                raise where.error(f"num_gpu must not be negative, got {gpus}")
-            if submit < 0:
-                raise where.error(f"submit_time must not be negative, got {submit}")
-            if duration < 0:
-                raise where.error(f"duration must not be negative, got {duration}")
-            jobs.append(_Job(job_id, where.line, gpus, submit * 60.0, duration * 60.0))
+    for where, row in csv_rows(path, COLUMNS):
+        job_id = str(require(where, row, "job_id")).strip()
+        if job_id in seen:
+            raise where.error(f"duplicate job_id {job_id!r} (first on line {seen[job_id]})")
+        seen[job_id] = where.line
+        gpus = parse_int(where, "num_gpu", require(where, row, "num_gpu"))
+        submit = parse_float(where, "submit_time", require(where, row, "submit_time"))
+        duration = parse_float(where, "duration", require(where, row, "duration"))
+        for optional in ("iterations", "interval"):
+            if row.get(optional):
+                parse_float(where, optional, row[optional])
+        if gpus < 0:
+            raise where.error(f"num_gpu must not be negative, got {gpus}")
+        if submit < 0:
+            raise where.error(f"submit_time must not be negative, got {submit}")
+        if duration < 0:
+            raise where.error(f"duration must not be negative, got {duration}")
+        jobs.append(_Job(job_id, where.line, gpus, submit * 60.0, duration * 60.0))
     if all(_is_number(j.job_id) for j in jobs):
         jobs.sort(key=lambda j: float(j.job_id))
     else:
