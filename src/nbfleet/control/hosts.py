@@ -14,6 +14,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from nbfleet.control.workspaces import transition
+from nbfleet.db.engine import rows_affected
 from nbfleet.db.tables import Agent, Workspace
 from nbfleet.model.errors import Conflict, NotFound
 from nbfleet.model.workspace import WorkspaceState
@@ -49,7 +50,7 @@ def _end_placement_backoff(session: Session) -> int:
                Workspace.next_attempt_at.is_not(None))
         .values(next_attempt_at=None)
     )
-    return int(getattr(result, "rowcount", 0) or 0)
+    return rows_affected(result)
 
 
 def heartbeat(session: Session, now: datetime, agent_id: str, boot_id: str) -> None:

@@ -10,6 +10,7 @@ from sqlalchemy import delete
 
 from nbfleet.control import leases
 from nbfleet.control.platform import Platform
+from nbfleet.db.engine import rows_affected
 from nbfleet.db.tables import IdempotencyKey
 
 log = logging.getLogger(__name__)
@@ -26,7 +27,7 @@ def purge_idempotency_keys(platform: Platform, token: int) -> int:
             return 0
         cutoff = platform.db.now(session) - IDEMPOTENCY_RETENTION
         result = session.execute(delete(IdempotencyKey).where(IdempotencyKey.created_at < cutoff))
-        return int(getattr(result, "rowcount", 0) or 0)
+        return rows_affected(result)
 
 
 async def run_forever(platform: Platform) -> None:

@@ -44,6 +44,11 @@ def _configure_sqlite(engine: Engine) -> None:
         conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
 
 
+def rows_affected(result: Any) -> int:
+    """Rows an UPDATE or DELETE touched (0 where the driver cannot tell)."""
+    return int(getattr(result, "rowcount", 0) or 0)
+
+
 class Database:
     """Owns the engine and hands out short transactions."""
 
