@@ -1,0 +1,1 @@
+"""Placement policies that the simulator and the live scheduler share."""

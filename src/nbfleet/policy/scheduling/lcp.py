@@ -1,0 +1,40 @@
+"""``lcp``: NotebookOS's "large container pool" baseline.
+
+Sessions own no containers. Every host keeps a large pool of pre-warmed
+containers; a task takes one on a host with free GPUs (best fit), loads the
+session's state into it, runs, and gives the container back to the pool. With no
+warm container there, a new one is started cold and joins the pool afterwards.
+"""
+
+from __future__ import annotations
+
+from nbfleet.policy.scheduling.base import FleetPolicy, KernelState, RunningTask
+from nbfleet.policy.scheduling.decisions import Decision, Placed, StartPath, TaskRequest
+
+
+class LargeContainerPool(FleetPolicy):
+    name = "lcp"
+
+    def place_kernel(self, kernel: KernelState, now: float) -> list[Decision] | None:
+        return [Placed(kernel.id, ())]
+
+    def start_task(self, task: TaskRequest, kernel: KernelState,
+                   now: float) -> list[Decision] | None:
+        hosts = sorted(self.hosts.values(),
+                       key=lambda h: (self.warm[h.id] == 0, len(h.free_gpus()), h.id))
+        for host in hosts:
+            warm = self.warm[host.id] > 0
+            started = self.bind(task, kernel, host, StartPath.WARM if warm else StartPath.COLD)
+            if started is None:
+                continue
+            if warm:
+                self.warm[host.id] -= 1  # it comes back after the task; no refill needed
+            return [started]
+        return None
+
+    def after_task(self, running: RunningTask, now: float) -> list[Decision]:
+        host_id = running.host_id
+        if host_id in self.hosts:
+            target = self.prewarm_target(self.hosts[host_id])
+            self.warm[host_id] = min(target, self.warm[host_id] + 1)
+        return []
