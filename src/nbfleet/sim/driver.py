@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from functools import partial
 from dataclasses import dataclass, field
+from functools import partial
 
 from nbfleet.model.cluster import Host, ResourceSpec
 from nbfleet.policy.scheduling.base import FleetPolicy

@@ -21,8 +21,8 @@ So ``nbfleet`` keeps the full set of replicas only around bursts:
 * **Pack tasks.** Among the replica hosts that have enough free GPUs, a task
   prefers the last executor (its GPUs may still hold the model), then the one
   with the *fewest* free GPUs (best fit), where ``notebookos`` takes the most.
-  Spreading tasks fragments every host; packing keeps whole hosts free for the 4- and 8-GPU tasks, which
-  otherwise migrate or wait for a new host.
+  Spreading tasks fragments every host; packing keeps whole hosts free for the
+  4- and 8-GPU tasks, which otherwise migrate or wait for a new host.
 * Migration, the SR limit and autoscaling are ``notebookos``'s.
 
 The first task after a long idle period has one replica to try instead of
