@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.panel import Panel
 
-from nbfleet.cli import users, ws
+from nbfleet.cli import sim, users, ws
 from nbfleet.cli.home import DEFAULT_PORT, home_dir, sqlite_url
 from nbfleet.model.errors import DomainError
 from nbfleet.model.resources import parse_gpu_spec
@@ -29,6 +29,7 @@ app = typer.Typer(
 )
 app.add_typer(ws.app, name="ws")
 app.add_typer(users.app, name="user")
+app.command("sim")(sim.sim)
 console = Console(stderr=True)
 
 HOME_OPT = typer.Option(None, "--home", envvar="NBFLEET_HOME",
