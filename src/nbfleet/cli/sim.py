@@ -29,6 +29,10 @@ def sim(
         help="infer (a session ends where submit_time drops) or per-job"),
     max_hosts: int | None = typer.Option(None, "--max-hosts", min=1,
                                          help="Cap on the fleet's size"),
+    host_gpus: str = typer.Option(
+        "8xV100-16GB", "--host-gpus",
+        help="GPUs of each host the fleet provisions, e.g. 8xA100-80GB (default: the "
+        "paper's p3.16xlarge)"),
     initial_hosts: int = typer.Option(0, "--initial-hosts", min=0,
                                       help="Hosts ready at time zero"),
     immediate_s: float = typer.Option(1.0, "--immediate-s", min=0.0,
@@ -37,6 +41,9 @@ def sim(
     plots: bool = typer.Option(True, "--plots/--no-plots", help="Write PNG plots"),
 ) -> None:
     """Replay a trace through each policy; print a table and write JSON, CSV and PNGs."""
+    from nbfleet.model.errors import DomainError
+    from nbfleet.model.resources import HostInventory, parse_gpu_spec
+    from nbfleet.policy.scheduling.config import P3_16XLARGE
     from nbfleet.sim.compare import resolve_policies, run_policies
     from nbfleet.sim.driver import SimOptions
     from nbfleet.sim.report import results_table, write_outputs
@@ -46,6 +53,15 @@ def sim(
 
     if tiresias_sessions not in ("infer", "per-job"):
         _fail("--tiresias-sessions must be infer or per-job")
+    try:
+        groups = parse_gpu_spec(host_gpus)
+    except DomainError as exc:
+        _fail(f"--host-gpus: {exc.detail}")
+    if not groups:
+        _fail("--host-gpus must declare at least one GPU")
+    per_gpu = P3_16XLARGE.millicpus // P3_16XLARGE.gpu_count, P3_16XLARGE.memory_mb // 8
+    count = sum(g.count for g in groups)
+    shape = HostInventory(per_gpu[0] * count, per_gpu[1] * count, groups)
     try:
         names = resolve_policies(policies)
         loaded = load_trace(trace, hours=hours, seed=seed,
@@ -67,7 +83,8 @@ def sim(
             progress.update(bars[name], completed=min(span, now - loaded.start_s))
 
         runs = run_policies(loaded, names, options=options, billing=billing,
-                            max_hosts=max_hosts, immediate_s=immediate_s, progress=advance)
+                            max_hosts=max_hosts, host_shape=shape, immediate_s=immediate_s,
+                            progress=advance)
     out_console.print(results_table(loaded, runs))
     written = write_outputs(out, loaded, runs, options, billing)
     if plots:

@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from nbfleet.model.resources import HostInventory
 from nbfleet.policy.scheduling.registry import POLICIES, make_policy
 from nbfleet.sim.driver import SimOptions, Simulation
 from nbfleet.sim.metrics import Meters
@@ -32,19 +33,20 @@ def resolve_policies(spec: str) -> list[str]:
     names = [n.strip() for n in spec.split(",") if n.strip()]
     unknown = [n for n in names if n not in POLICIES]
     if unknown or not names:
-        raise ValueError(f"unknown policy {', '.join(unknown) or spec!r}; "
+        raise ValueError(f"unknown policy {', '.join(map(repr, unknown)) or repr(spec)}; "
                          f"known: all, {', '.join(POLICIES)}")
     return list(dict.fromkeys(names))
 
 
 def run_policies(trace: Trace, names: Sequence[str], *, options: SimOptions | None = None,
                  billing: Billing | None = None, max_hosts: int | None = None,
+                 host_shape: HostInventory | None = None,
                  immediate_s: float = 1.0,
                  progress: Callable[[str, float], None] | None = None) -> dict[str, PolicyRun]:
     """Each policy on a fresh copy of the fleet; ``progress(name, sim_time)`` as it goes."""
     runs: dict[str, PolicyRun] = {}
     for name in names:
-        policy = make_policy(name, max_hosts=max_hosts)
+        policy = make_policy(name, max_hosts=max_hosts, host_shape=host_shape)
         started = time.perf_counter()
         simulation = Simulation(trace, policy, options)
         meters = simulation.run(

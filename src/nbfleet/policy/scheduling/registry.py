@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
+from nbfleet.model.resources import HostInventory
 from nbfleet.policy.scheduling.base import FleetPolicy
 from nbfleet.policy.scheduling.batch import Batch
 from nbfleet.policy.scheduling.config import AutoscalerConfig, PolicyConfig
@@ -38,9 +39,13 @@ def default_config(name: str) -> PolicyConfig:
 
 
 def make_policy(name: str, config: PolicyConfig | None = None, *,
-                max_hosts: int | None = None) -> FleetPolicy:
-    """A fresh policy; ``config`` replaces its defaults, ``max_hosts`` caps the fleet."""
+                max_hosts: int | None = None,
+                host_shape: HostInventory | None = None) -> FleetPolicy:
+    """A fresh policy; ``config`` replaces its defaults, ``max_hosts`` caps the fleet,
+    ``host_shape`` is what a scale-out provisions."""
     base = config if config is not None else default_config(name)
+    if host_shape is not None:
+        base = replace(base, host_shape=host_shape)
     if max_hosts is not None:
         base = replace(base, autoscaler=replace(base.autoscaler, max_hosts=max_hosts))
     return POLICIES[name](base)
