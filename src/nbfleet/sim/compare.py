@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from functools import partial
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -49,8 +50,7 @@ def run_policies(trace: Trace, names: Sequence[str], *, options: SimOptions | No
         policy = make_policy(name, max_hosts=max_hosts, host_shape=host_shape)
         started = time.perf_counter()
         simulation = Simulation(trace, policy, options)
-        meters = simulation.run(
-            None if progress is None else (lambda now, n=name: progress(n, now)))
+        meters = simulation.run(None if progress is None else partial(progress, name))
         wall = time.perf_counter() - started
         runs[name] = PolicyRun(meters, summarize(meters, policy.billing, billing, immediate_s),
                                policy.billing, wall)

@@ -8,11 +8,11 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only: never needs a display
 
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.axes import Axes  # noqa: E402
+import matplotlib.pyplot as plt
+from matplotlib.axes import Axes
 
-from nbfleet.sim.compare import PolicyRun  # noqa: E402
-from nbfleet.sim.report import busy_gpus_at  # noqa: E402
+from nbfleet.sim.compare import PolicyRun
+from nbfleet.sim.report import busy_gpus_at
 
 FLOOR_S = 0.01  # zero delays are drawn here, on a log axis
 
@@ -33,7 +33,7 @@ def _cdf(ax: Axes, runs: dict[str, PolicyRun], attribute: str, xlabel: str) -> N
     ax.legend()
 
 
-def _save(fig: plt.Figure, path: Path) -> Path:
+def _save(fig: Figure, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
