@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import time
-from functools import partial
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from nbfleet.model.resources import HostInventory
 from nbfleet.policy.scheduling.registry import POLICIES, make_policy

@@ -10,6 +10,7 @@ matplotlib.use("Agg")  # files only: never needs a display
 
 import matplotlib.pyplot as plt
 from matplotlib.axes import Axes
+from matplotlib.figure import Figure
 
 from nbfleet.sim.compare import PolicyRun
 from nbfleet.sim.report import busy_gpus_at
