@@ -1,6 +1,8 @@
 """One entry point for ``--trace`` arguments, so the CLI and benchmarks agree on names.
 
 * ``synthetic:sensei`` -> ``synthetic.sensei(hours, seed)``
+* ``synthetic:sensei-busy`` -> the same without the nearly idle sessions
+  (``light_fraction=0``): closer to the concurrency of the paper's Figure 7
 * ``tiresias:PATH`` -> ``tiresias.read_tiresias(PATH, sessions=...)``
 * ``native:PATH`` or a plain ``PATH`` -> ``native.read_native`` by extension, except
   that a plain ``.csv`` whose header starts with ``job_id`` is read as Tiresias.
@@ -12,10 +14,10 @@ from pathlib import Path
 
 from nbfleet.sim.traces.model import Trace, TraceError
 from nbfleet.sim.traces.native import read_native
-from nbfleet.sim.traces.synthetic import PAPER_HOURS, sensei
+from nbfleet.sim.traces.synthetic import LIGHT_FRACTION, PAPER_HOURS, sensei
 from nbfleet.sim.traces.tiresias import SessionMode, read_tiresias
 
-SYNTHETIC = ("sensei",)
+SYNTHETIC = ("sensei", "sensei-busy")
 
 
 def load_trace(spec: str, *, hours: float = PAPER_HOURS, seed: int = 0,
@@ -25,7 +27,7 @@ def load_trace(spec: str, *, hours: float = PAPER_HOURS, seed: int = 0,
     if sep and kind == "synthetic":
         if rest not in SYNTHETIC:
             raise TraceError(f"unknown synthetic trace {rest!r}; known: {', '.join(SYNTHETIC)}")
-        return sensei(hours, seed)
+        return sensei(hours, seed, light_fraction=0.0 if rest == "sensei-busy" else LIGHT_FRACTION)
     if sep and kind == "tiresias":
         return read_tiresias(rest, sessions=tiresias_sessions)
     if sep and kind == "native":
