@@ -114,8 +114,14 @@ class FleetPolicy:
         return 0
 
     def evacuate(self, host: Host, now: float) -> list[Decision] | None:
-        """Empty a host for scale-in; None if something on it cannot move."""
-        return [] if not host.subscriptions and host.committed_gpus == 0 else None
+        """Empty a host for scale-in; None if something on it cannot move.
+
+        By default nothing moves: a host is released only if no kernel lives on it
+        (a reserved 0-GPU container holds no GPUs but still lives there).
+        """
+        if host.subscriptions or any(host.id in k.hosts for k in self.kernels.values()):
+            return None
+        return []
 
     def kernel_footprint_gpus(self, kernel: KernelState) -> int:
         """GPUs a waiting kernel needs the fleet to grow by."""
@@ -334,8 +340,11 @@ class FleetPolicy:
         return out
 
     def _idle_hosts(self) -> Iterable[Host]:
-        """Hosts with no committed GPUs, the least subscribed first (cheapest to empty)."""
-        idle = [h for h in self.hosts.values() if h.committed_gpus == 0]
+        """Hosts running nothing (a 0-GPU task commits no GPUs but still runs there),
+        the least subscribed first: the cheapest to empty."""
+        running_on = {r.host_id for r in self.running.values()}
+        idle = [h for h in self.hosts.values()
+                if h.committed_gpus == 0 and h.id not in running_on]
         return sorted(idle, key=lambda h: (h.subscribed_gpus, h.id))
 
 

@@ -35,6 +35,8 @@ class LargeContainerPool(FleetPolicy):
     def after_task(self, running: RunningTask, now: float) -> list[Decision]:
         host_id = running.host_id
         if host_id in self.hosts:
-            target = self.prewarm_target(self.hosts[host_id])
-            self.warm[host_id] = min(target, self.warm[host_id] + 1)
+            # The container rejoins the pool unless refills in flight already fill it.
+            room = self.prewarm_target(self.hosts[host_id]) - self.warming[host_id]
+            if self.warm[host_id] < room:
+                self.warm[host_id] += 1
         return []
