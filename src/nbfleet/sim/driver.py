@@ -37,10 +37,8 @@ from nbfleet.policy.scheduling.decisions import (
 )
 from nbfleet.sim.engine import Engine
 from nbfleet.sim.latency import Latencies
-from nbfleet.sim.metrics import Meters, Sample
+from nbfleet.sim.metrics import Meters
 from nbfleet.sim.traces.model import Session, Trace
-
-_REPLICA_PATHS = (StartPath.LOCAL, StartPath.MIGRATE_WARM, StartPath.MIGRATE_COLD)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,8 +105,7 @@ class Simulation:
             self.engine.after(self.policy.config.autoscaler.interval_s, self._tick)
 
     def _sample(self) -> None:
-        snap = self.policy.snapshot()
-        self.meters.sample(Sample(self.engine.now, snap, self._open))
+        self.meters.sample(self.engine.now, self.policy.snapshot(), self._open)
         if not self._done():
             self.engine.after(self.options.sample_interval_s, self._sample)
 
@@ -159,10 +156,9 @@ class Simulation:
             if isinstance(decision, Started):
                 self._started(decision)
             elif isinstance(decision, Placed):
-                start = self.latency.warm_start_s if decision.warm else self.latency.cold_start_s
                 # Later Placed decisions add replicas beside a running one: no wait.
-                self._kernel_ready.setdefault(decision.kernel_id,
-                                              now + (start if decision.host_ids else 0))
+                start = self.latency.cold_start_s if decision.host_ids else 0.0
+                self._kernel_ready.setdefault(decision.kernel_id, now + start)
                 self.meters.replicas_added(decision.kernel_id, now, len(decision.host_ids),
                                            self.policy.kernels[decision.kernel_id].spec.gpus)
             elif isinstance(decision, Unschedulable):
@@ -200,7 +196,7 @@ class Simulation:
         task = run.session.tasks[index]
         ends = begins + task.duration_s
         self.meters.task_started(started.task_id, now, begins, ends, len(started.gpu_indices),
-                                 started.path, uses_replica=started.path in _REPLICA_PATHS)
+                                 started.path, uses_replica=started.path.on_replica)
         self.engine.at(ends + after, partial(self._finished, started.task_id, run))
 
     def _path_costs(self, path: StartPath) -> tuple[float, float]:

@@ -60,9 +60,14 @@ class TaskRecord:
 
 @dataclass(frozen=True, slots=True)
 class Sample:
+    """The fleet at ``at``, with the meters' running counts so far."""
+
     at: float
     fleet: FleetSnapshot
     open_sessions: int
+    migrations: int
+    scaled_out_hosts: int
+    scaled_in_hosts: int
 
 
 @dataclass(slots=True)
@@ -94,7 +99,6 @@ class Meters:
         self.reserved_gpus = Integral(self.start)
         self.standby_replicas = Integral(self.start)
         self._kernels: dict[str, _KernelMeter] = {}
-        self._cumulative: list[tuple[float, int, int, int]] = []
 
     # ----------------------------------------------------------- hosts
     def hosts_billed(self, now: float, count: int) -> None:
@@ -158,7 +162,7 @@ class Meters:
     def task_finished(self, task_id: str, kernel_id: str, now: float) -> None:
         record = self.tasks[task_id]
         record.released_s = now
-        if record.path in (StartPath.LOCAL, StartPath.MIGRATE_WARM, StartPath.MIGRATE_COLD):
+        if record.path is not None and record.path.on_replica:
             meter = self._kernels.get(kernel_id)
             if meter is not None and meter.active:
                 self.standby_replicas.add(now, 1)
@@ -168,14 +172,9 @@ class Meters:
         record.unschedulable = reason
 
     # --------------------------------------------------------- samples
-    def sample(self, sample: Sample) -> None:
-        self.samples.append(sample)
-        self._cumulative.append((sample.at, self.migrations, self.scale_out_hosts,
-                                 self.scale_in_hosts))
-
-    def cumulative(self) -> list[tuple[float, int, int, int]]:
-        """(time, migrations, hosts scaled out, hosts scaled in) so far, per sample."""
-        return list(self._cumulative)
+    def sample(self, now: float, fleet: FleetSnapshot, open_sessions: int) -> None:
+        self.samples.append(Sample(now, fleet, open_sessions, self.migrations,
+                                   self.scale_out_hosts, self.scale_in_hosts))
 
     def finish(self, now: float, events: int) -> None:
         self.end = now

@@ -74,15 +74,14 @@ def write_outputs(out_dir: Path, trace: Trace, runs: dict[str, PolicyRun],
         for name, run in runs.items():
             meters = run.meters
             busy = busy_gpus_at(meters, [s.at for s in meters.samples])
-            for sample, gpus_busy, cumulative in zip(meters.samples, busy, meters.cumulative(),
-                                                     strict=True):
+            for sample, gpus_busy in zip(meters.samples, busy, strict=True):
                 f = sample.fleet
                 writer.writerow([
                     name, f"{(sample.at - meters.start) / 3600:.4f}", f.hosts, f.provisioning,
                     (f.hosts + f.provisioning) * meters.gpus_per_host, f.committed_gpus,
                     gpus_busy, f.subscribed_gpus, f"{f.subscription_ratio:.4f}",
                     sample.open_sessions, f.kernels, f.running, f.queued, f.warm,
-                    *cumulative[1:]])
+                    sample.migrations, sample.scaled_out_hosts, sample.scaled_in_hosts])
     tasks = out_dir / "tasks.csv"
     with tasks.open("w", newline="") as handle:
         writer = csv.writer(handle)

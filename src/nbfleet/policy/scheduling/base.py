@@ -139,7 +139,7 @@ class FleetPolicy:
     def open_session(self, request: KernelRequest, now: float) -> list[Decision]:
         if request.id in self.kernels:
             raise ValueError(f"kernel {request.id} is already open")
-        if request.spec.gpus and choose_gpus(self._shape.gpus, request.spec) is None:
+        if not fits_shape(self._shape, request.spec):
             return [Unschedulable(request.id, "no host shape has GPUs that fit "
                                   f"{request.spec.gpus} x {request.spec.gpu_types or 'any'}"
                                   f" with {request.spec.vram_gb} GB")]
@@ -198,10 +198,7 @@ class FleetPolicy:
 
     def tick(self, now: float) -> list[Decision]:
         """The autoscaler's periodic pass (and, in subclasses, idle reclamation)."""
-        scale = autoscaler.plan(
-            self.config.autoscaler, ready_hosts=len(self.hosts),
-            provisioning=self.provisioning, demanded_gpus=self.demanded_gpus(),
-            gpus_per_host=self.config.gpus_per_host, floor_hosts=self.floor_hosts())
+        scale = self._scale_plan()
         if scale.add:
             return [self._scale_out(scale.add, now,
                                     f"expected capacity {scale.expected_hosts} hosts")]
@@ -302,6 +299,12 @@ class FleetPolicy:
         self.queue = kept
         return out
 
+    def _scale_plan(self) -> autoscaler.ScalePlan:
+        return autoscaler.plan(
+            self.config.autoscaler, ready_hosts=len(self.hosts),
+            provisioning=self.provisioning, demanded_gpus=self.demanded_gpus(),
+            gpus_per_host=self.config.gpus_per_host, floor_hosts=self.floor_hosts())
+
     def _scale_out(self, count: int, now: float, reason: str) -> ScaleOut:
         self.provisioning += count
         self._last_scale_out = now
@@ -311,11 +314,7 @@ class FleetPolicy:
         """Scale out at once when work waits and pending hosts will not cover it."""
         if not self.queue and not self.waiting_kernels:
             return []
-        scale = autoscaler.plan(
-            self.config.autoscaler, ready_hosts=len(self.hosts),
-            provisioning=self.provisioning, demanded_gpus=self.demanded_gpus(),
-            gpus_per_host=self.config.gpus_per_host, floor_hosts=self.floor_hosts())
-        add = scale.add
+        add = self._scale_plan().add
         room = len(self.hosts) < self.config.autoscaler.max_hosts
         if not add and self.provisioning == 0 and room:
             add = 1  # the sums fit but the pieces do not (fragmentation, distinct hosts)
@@ -352,8 +351,3 @@ def fits_shape(host: Host, spec: ResourceSpec) -> bool:
     """Whether the host has GPUs that could ever run ``spec`` (free or not)."""
     return spec.gpus == 0 or choose_gpus(host.gpus, spec) is not None
 
-
-def cluster_sr(hosts: Iterable[Host], replicas: int) -> float:
-    hosts = list(hosts)
-    gpus = sum(len(h.gpus) for h in hosts)
-    return sum(h.subscribed_gpus for h in hosts) / (gpus * replicas) if gpus else math.inf

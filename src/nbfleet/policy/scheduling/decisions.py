@@ -51,15 +51,19 @@ class StartPath(enum.Enum):
     MIGRATE_WARM = "migrate_warm"
     MIGRATE_COLD = "migrate_cold"
 
+    @property
+    def on_replica(self) -> bool:
+        """Whether a kernel replica executes the task (it stops being a standby)."""
+        return self in (StartPath.LOCAL, StartPath.MIGRATE_WARM, StartPath.MIGRATE_COLD)
+
 
 @dataclass(frozen=True, slots=True)
 class Placed:
     """A kernel's containers were created on these hosts (replicas, or one reserved
-    container). ``warm`` says whether pre-warmed containers were used."""
+    container); none for policies whose sessions hold nothing between tasks."""
 
     kernel_id: str
     host_ids: tuple[str, ...]
-    warm: bool = False
 
 
 @dataclass(frozen=True, slots=True)
