@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from nbfleet.agent.kernel_process import Client, KernelProcess
-from nbfleet.agent.runtimes import kernel_env
+from nbfleet.agent.slots import kernel_env
 from nbfleet.agent.wire import ClientMessage, parse_client_frame
 
 

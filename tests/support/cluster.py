@@ -73,18 +73,23 @@ class Cluster:
         return subprocess.Popen(NBFLEET + args, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
 
-    def start_control(self, env: dict[str, str] | None = None) -> None:
+    def start_control(self, env: dict[str, str] | None = None,
+                      args: tuple[str, ...] = ()) -> None:
         self.control = self._spawn("control", [
             "control", "--db", self.db_url, "--blobs", str(self.home / "blobs"),
-            "--port", str(self.port), "--log-level", "info"], self._env(env))
+            "--port", str(self.port), "--log-level", "info", *args], self._env(env))
         wait_until(lambda: httpx.get(f"{self.url}/healthz").status_code == 200, 60,
                    what="control plane health")
 
-    def start_agent(self, name: str = "agent1", env: dict[str, str] | None = None) -> None:
+    def start_agent(self, name: str = "agent1", env: dict[str, str] | None = None,
+                    warm_pool: int = 0) -> None:
+        """Agents start without a warm pool unless asked: each warm kernel costs a
+        kernel start, and most tests do not resume."""
         before = self._boot_ids()
         self.agents[name] = self._spawn(name, [
             "agent", "--control", self.url, "--state-dir", str(self.root / name),
-            "--gpus", self.gpus, "--log-level", "info"], self._env(env))
+            "--gpus", self.gpus, "--warm-pool", str(warm_pool), "--log-level", "info"],
+            self._env(env))
         agent_id_file = self.root / name / "agent-id"
 
         def registered() -> bool:

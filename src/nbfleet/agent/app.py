@@ -7,7 +7,7 @@ import contextlib
 import hmac
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response, WebSocket
 from prometheus_client import Gauge
@@ -15,6 +15,7 @@ from pydantic import BaseModel, Field
 
 from nbfleet.agent.kernel_process import Client, KernelProcess
 from nbfleet.agent.service import AgentService
+from nbfleet.agent.statesync import SuspendOptions
 from nbfleet.agent.wire import V1_PROTOCOL, WireError, parse_client_frame
 from nbfleet.model.errors import NotFound, Unauthorized
 from nbfleet.storage.paths import confine
@@ -35,6 +36,16 @@ class KernelRef(BaseModel):
 class EnsureRuntime(BaseModel):
     generation: int = Field(ge=1)
     kernels: list[KernelRef] = []
+    #: kernel id -> the blob key of its last complete snapshot.
+    snapshot: dict[str, str] = {}
+    #: The blob key of the workspace's package layer.
+    packages: str | None = None
+
+
+class Suspend(BaseModel):
+    generation: int = Field(ge=1)
+    on_busy: Literal["wait", "interrupt"] = "wait"
+    busy_timeout_s: float = Field(30.0, ge=0, le=3600)
 
 
 class AddKernel(KernelRef):
@@ -72,10 +83,19 @@ def create_agent_app(service: AgentService) -> FastAPI:
 
     @api.put("/runtimes/{workspace_id}")
     async def ensure_runtime(workspace_id: str, body: EnsureRuntime) -> dict[str, Any]:
-        runtime = await service.manager.ensure(
-            workspace_id, body.generation, [(k.id, k.name) for k in body.kernels]
+        placed = await service.manager.ensure(
+            workspace_id, body.generation, [(k.id, k.name) for k in body.kernels],
+            body.snapshot, body.packages,
         )
-        return {"kernels": [k.model() for k in runtime.kernels.values()]}
+        return {"kernels": [k.model() for k in placed.runtime.kernels.values()],
+                "restore": placed.restore, "packages": placed.packages}
+
+    @api.post("/runtimes/{workspace_id}/suspend")
+    async def suspend_runtime(workspace_id: str, body: Suspend) -> dict[str, Any]:
+        saved = await service.manager.suspend(
+            workspace_id, body.generation, SuspendOptions(body.on_busy, body.busy_timeout_s)
+        )
+        return {"released": saved is not None, "snapshot": saved}
 
     @api.delete("/runtimes/{workspace_id}")
     async def release_runtime(workspace_id: str, generation: int = Query(ge=1),

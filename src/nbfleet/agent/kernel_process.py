@@ -100,6 +100,7 @@ class KernelProcess:
         connection_dir: str,
         sandbox: Sandbox | None = None,
         visible: tuple[str, ...] = (),
+        extra_arguments: tuple[str, ...] = (),
     ) -> None:
         """``connection_dir`` holds the kernel's IPC sockets: keep its path short
         (a socket path must fit in 107 bytes). ``visible`` lists the directories,
@@ -116,6 +117,12 @@ class KernelProcess:
         #: msg_id -> the client awaiting its reply. Bounded: comm messages get no reply.
         self._requesters: OrderedDict[str, Client] = OrderedDict()
         self._internal: set[str] = set()
+        #: msg_id -> the future its execute_reply resolves (the agent's own requests).
+        self._waiters: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        self._idle = asyncio.Event()
+        self.extra_arguments = list(extra_arguments)
+        #: Where the state-capture extension writes (None: this kernel captures nothing).
+        self.state_dir: str | None = None
         self._ready = asyncio.Event()
         self._shell_seen = asyncio.Event()
         self._iopub_seen = asyncio.Event()
@@ -140,7 +147,8 @@ class KernelProcess:
 
     # ----------------------------------------------------------------- lifecycle
     async def start(self) -> None:
-        await self.manager.start_kernel(cwd=self.workdir, env=self.env)
+        await self.manager.start_kernel(cwd=self.workdir, env=self.env,
+                                        extra_arguments=self.extra_arguments)
         info: dict[str, Any] = dict(self.manager.get_connection_info())
         key = info["key"]
         self.codec = WireCodec(key if isinstance(key, bytes) else key.encode())
@@ -185,14 +193,56 @@ class KernelProcess:
                 break
             except TimeoutError:
                 continue
-        self.execution_state = "idle"
+        self._set_state("idle")
         self._ready.set()
 
-    def _send_internal(self, msg_type: str) -> None:
+    def _send_internal(self, msg_type: str, content: dict[str, Any] | None = None) -> str:
         assert self.codec is not None
         header = _agent_header(msg_type)
         self._internal.add(header["msg_id"])
-        self._sockets["shell"].send_multipart(self.codec.internal(header, {}), copy=True)
+        self._sockets["shell"].send_multipart(self.codec.internal(header, content or {}),
+                                              copy=True)
+        return header["msg_id"]
+
+    async def execute_internal(self, code: str, timeout_s: float) -> dict[str, Any]:
+        """Run the agent's own code in the kernel, unseen by clients and by history.
+
+        The request is silent, so IPython fires no cell events (state capture does
+        not see it) and the kernel's status changes are not relayed to clients.
+        Returns the execute_reply's content.
+        """
+        await asyncio.wait_for(self._ready.wait(), timeout_s)
+        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        msg_id = self._send_internal("execute_request", {
+            "code": code, "silent": True, "store_history": False, "user_expressions": {},
+            "allow_stdin": False, "stop_on_error": False,
+        })
+        self._waiters[msg_id] = future
+        try:
+            return await asyncio.wait_for(future, timeout_s)
+        finally:
+            self._waiters.pop(msg_id, None)
+            self._internal.discard(msg_id)
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """True once no cell runs; False if one still runs after ``timeout_s``."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    def _set_state(self, state: str) -> None:
+        self.execution_state = state
+        if state == "idle":
+            self._idle.set()
+        else:
+            self._idle.clear()
+
+    def rename(self, kernel_id: str, workspace_id: str) -> None:
+        """A warm kernel takes the identity of the workspace kernel it becomes."""
+        self.id = kernel_id
+        self.workspace_id = workspace_id
 
     async def interrupt(self) -> None:
         await self.manager.interrupt_kernel()
@@ -226,7 +276,7 @@ class KernelProcess:
         for client in list(self.clients):
             client.close()
         self.clients.clear()
-        self.execution_state = "dead"
+        self._set_state("dead")
 
     async def _watch_process(self) -> None:
         """Restart a kernel that died by itself (e.g. the user called os._exit)."""
@@ -236,12 +286,12 @@ class KernelProcess:
                 continue
             if not await self.manager.is_alive() and not self._lifecycle.locked():
                 log.warning("kernel %s died; restarting it", self.id)
-                self.execution_state = "restarting"
+                self._set_state("restarting")
                 try:
                     await self.restart()
                 except Exception:
                     log.exception("kernel %s could not be restarted", self.id)
-                    self.execution_state = "dead"
+                    self._set_state("dead")
                     self._broadcast_status("dead")
                     return
 
@@ -286,12 +336,15 @@ class KernelProcess:
             if message.msg_type == "status" and self._ready.is_set():
                 state = json.loads(message.content_raw).get("execution_state")
                 if isinstance(state, str):
-                    self.execution_state = state
+                    self._set_state(state)
             self._touch()
             self._broadcast(message)
             return
         if parent in self._internal:  # kept: its iopub status may still follow
             self._shell_seen.set()
+            waiter = self._waiters.get(parent)
+            if waiter is not None and not waiter.done() and message.msg_type == "execute_reply":
+                waiter.set_result(json.loads(message.content_raw))
             return
         self._touch()
         target = self._requesters.get(parent) if parent else None
@@ -311,10 +364,16 @@ class KernelProcess:
 
     def _broadcast_status(self, state: str) -> None:
         """A status message of the agent's own, as jupyter_server sends on restart."""
-        header = _agent_header("status")
-        parts = [json.dumps(header).encode(), b"{}", b"{}",
-                 json.dumps({"execution_state": state}).encode()]
-        self._broadcast(KernelMessage("iopub", header["msg_id"], "status", None, parts))
+        self._broadcast_own("status", {"execution_state": state})
+
+    def announce(self, text: str) -> None:
+        """Tell whoever attaches (now or later) something on the iopub stream."""
+        self._broadcast_own("stream", {"name": "stdout", "text": text})
+
+    def _broadcast_own(self, msg_type: str, content: dict[str, Any]) -> None:
+        header = _agent_header(msg_type)
+        parts = [json.dumps(header).encode(), b"{}", b"{}", json.dumps(content).encode()]
+        self._broadcast(KernelMessage("iopub", header["msg_id"], msg_type, None, parts))
 
     def _touch(self) -> None:
         self.last_activity = datetime.now(UTC)
@@ -325,6 +384,8 @@ class KernelProcess:
             "name": self.name,
             "workspace_id": self.workspace_id,
             "last_activity": jupyter_time(self.last_activity),
+            # On this host's clock, so the control plane need not trust ours to match.
+            "idle_s": (datetime.now(UTC) - self.last_activity).total_seconds(),
             "execution_state": self.execution_state,
             "connections": len(self.clients),
         }

@@ -1,79 +1,72 @@
-"""Workspace runtimes on this host: a working directory plus the workspace's kernels.
+"""Workspace runtimes on this host: a slot (see ``slots``) plus the workspace's kernels.
 
 Every command carries the workspace generation. The agent remembers the highest
 generation it has seen per workspace and refuses older commands, so a delayed
-"place" can never resurrect a runtime that a newer "release" removed.
+"place" can never resurrect a runtime that a newer "release" removed. One lock per
+workspace serializes commands, so a resume asked for twice gives one runtime.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import shutil
-import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
-from nbfleet.agent import filesync
+from nbfleet.agent import filesync, statesync
 from nbfleet.agent.kernel_process import KernelProcess
 from nbfleet.agent.sandbox import Sandbox
-from nbfleet.model.errors import Conflict, NotFound
+from nbfleet.agent.slots import Slot, new_kernel
+from nbfleet.agent.warmpool import WarmPool
+from nbfleet.model.errors import Conflict, NotFound, SuspendFailed
 from nbfleet.storage.files import WorkspaceFiles
+from nbfleet.storage.snapshots import CorruptSnapshot, restore_layer, store_layer
 
 log = logging.getLogger(__name__)
-
-#: Environment variables a kernel may inherit. Everything else, the control plane's
-#: secrets included, is withheld from user code.
-_INHERITED_ENV = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ")
-
-
-def kernel_env(home: str) -> dict[str, str]:
-    env = {name: os.environ[name] for name in _INHERITED_ENV if name in os.environ}
-    venv_bin = os.path.dirname(sys.executable)
-    env["PATH"] = f"{venv_bin}:{env.get('PATH', '/usr/bin:/bin')}"
-    env.update(
-        HOME=home,
-        TMPDIR="/tmp",  # private to the kernel inside the sandbox
-        PYTHONUNBUFFERED="1",
-        MPLBACKEND="agg",
-        PYDEVD_DISABLE_FILE_VALIDATION="1",  # silences debugpy's frozen-modules warning
-    )
-    return env
 
 
 @dataclass
 class Runtime:
     workspace_id: str
     generation: int
-    root: str
-    sockets: str  # short path: IPC socket paths must fit in 107 bytes
+    slot: Slot
     manifest: filesync.Manifest = field(default_factory=dict)
     kernels: dict[str, KernelProcess] = field(default_factory=dict)
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
     def workdir(self) -> str:
-        return os.path.join(self.root, "files")
+        return self.slot.files
 
-    @property
-    def home(self) -> str:
-        return os.path.join(self.root, "home")
+
+@dataclass
+class Placed:
+    runtime: Runtime
+    #: kernel id -> what its restore brought back (empty when nothing was restored).
+    restore: dict[str, dict[str, Any]] = field(default_factory=dict)
+    packages: dict[str, Any] = field(default_factory=dict)
 
 
 class RuntimeManager:
     def __init__(self, state_dir: str, files: WorkspaceFiles, sockets_dir: str,
-                 sandbox: Sandbox | None = None, release_delay_s: float = 0.0) -> None:
-        self.state_dir = state_dir
+                 sandbox: Sandbox | None = None, release_delay_s: float = 0.0,
+                 warm_pool: int = 0) -> None:
+        self.runtimes_dir = f"{state_dir}/runtimes"
         self.sockets_dir = sockets_dir
         self.sandbox = sandbox
         self.files = files
+        self.blobs = files.blobs
         self.runtimes: dict[str, Runtime] = {}
         self.kernels: dict[str, KernelProcess] = {}
         self._generations: dict[str, int] = {}
         self._locks: dict[str, asyncio.Lock] = {}
-        #: Fault injection for crash tests: hold a release open this long.
+        self.pool = WarmPool(warm_pool, self.new_slot, sandbox)
+        #: Fault injection for crash tests: hold a release or suspend open this long
+        #: (a suspend, after its uploads and before it answers).
         self.release_delay_s = release_delay_s
+
+    def new_slot(self, name: str) -> Slot:
+        return Slot.create(self.runtimes_dir, self.sockets_dir, name)
 
     def _lock(self, workspace_id: str) -> asyncio.Lock:
         return self._locks.setdefault(workspace_id, asyncio.Lock())
@@ -87,27 +80,65 @@ class RuntimeManager:
             )
         self._generations[workspace_id] = generation
 
+    # ------------------------------------------------------------------ placing
     async def ensure(self, workspace_id: str, generation: int,
-                     kernels: Iterable[tuple[str, str]]) -> Runtime:
-        """Make the runtime exist with exactly these kernels running (idempotent)."""
+                     kernels: Iterable[tuple[str, str]],
+                     snapshot: dict[str, str] | None = None,
+                     packages: str | None = None) -> Placed:
+        """Make the runtime exist with these kernels running (idempotent).
+
+        A new runtime gets the workspace's files, its package layer and each
+        kernel's last snapshot; its first kernel comes from the warm pool if one is
+        ready there.
+        """
+        wanted = list(kernels)
         async with self._lock(workspace_id):
             self._fence(workspace_id, generation)
             runtime = self.runtimes.get(workspace_id)
             if runtime is None:
-                root = os.path.join(self.state_dir, "runtimes", workspace_id)
-                sockets = os.path.join(self.sockets_dir, workspace_id)
-                runtime = Runtime(workspace_id, generation, root, sockets)
-                os.makedirs(runtime.home, exist_ok=True)
-                os.makedirs(sockets, mode=0o700, exist_ok=True)
-                runtime.manifest = await asyncio.to_thread(
-                    filesync.materialize, self.files, workspace_id, runtime.workdir
-                )
-                self.runtimes[workspace_id] = runtime
+                return await self._place(workspace_id, generation, wanted, snapshot or {},
+                                         packages)
             runtime.generation = generation
-            for kernel_id, name in kernels:
+            for kernel_id, name in wanted:
                 if kernel_id not in runtime.kernels:
                     await self._start_kernel(runtime, kernel_id, name)
-            return runtime
+            return Placed(runtime)
+
+    async def _place(self, workspace_id: str, generation: int, kernels: list[tuple[str, str]],
+                     snapshot: dict[str, str], packages: str | None) -> Placed:
+        warm = self.pool.claim(kernels[0][1]) if kernels else None
+        slot = warm.slot if warm else await asyncio.to_thread(self.new_slot, workspace_id)
+        placed = Placed(Runtime(workspace_id, generation, slot))
+        runtime = placed.runtime
+        try:
+            runtime.manifest, placed.packages = await asyncio.gather(
+                asyncio.to_thread(filesync.materialize, self.files, workspace_id, slot.files),
+                asyncio.to_thread(self._restore_layer, workspace_id, packages, slot),
+            )
+            for index, (kernel_id, name) in enumerate(kernels):
+                if index == 0 and warm is not None:
+                    kernel, path = warm.kernel, "warm"
+                    kernel.rename(kernel_id, workspace_id)
+                    self._register(runtime, kernel)
+                else:
+                    kernel, path = await self._start_kernel(runtime, kernel_id, name), "cold"
+                placed.restore[kernel_id] = await statesync.restore(
+                    self.blobs, workspace_id, kernel, snapshot.get(kernel_id), path)
+        except BaseException:
+            await self._teardown(runtime, sync=False)
+            raise
+        self.runtimes[workspace_id] = runtime
+        return placed
+
+    def _restore_layer(self, workspace_id: str, key: str | None, slot: Slot) -> dict[str, Any]:
+        if key is None:
+            return {"restored": False}
+        try:
+            restore_layer(self.blobs, workspace_id, key, slot.packages)
+        except (CorruptSnapshot, OSError) as exc:
+            log.warning("package layer of %s not restored: %s", workspace_id, exc)
+            return {"restored": False, "error": str(exc)[:500]}
+        return {"restored": True}
 
     async def add_kernel(self, workspace_id: str, generation: int, kernel_id: str,
                          name: str) -> KernelProcess:
@@ -118,27 +149,30 @@ class RuntimeManager:
                 raise Conflict(f"workspace {workspace_id} has no runtime on this host")
             if kernel_id in runtime.kernels:
                 return runtime.kernels[kernel_id]
+            if not runtime.kernels:
+                warm = self.pool.claim(name)
+                if warm is not None:  # move the runtime into the warm kernel's slot
+                    await asyncio.to_thread(warm.slot.adopt, runtime.slot)
+                    await asyncio.to_thread(runtime.slot.remove)
+                    runtime.slot = warm.slot
+                    warm.kernel.rename(kernel_id, workspace_id)
+                    self._register(runtime, warm.kernel)
+                    return warm.kernel
             return await self._start_kernel(runtime, kernel_id, name)
 
     async def _start_kernel(self, runtime: Runtime, kernel_id: str, name: str) -> KernelProcess:
-        kernel = KernelProcess(
-            kernel_id,
-            runtime.workspace_id,
-            name,
-            runtime.workdir,
-            kernel_env(runtime.home),
-            runtime.sockets,
-            sandbox=self.sandbox,
-            visible=(runtime.home,),
-        )
+        kernel = new_kernel(runtime.slot, kernel_id, runtime.workspace_id, name, self.sandbox)
         try:
             await kernel.start()
         except BaseException:
             await kernel.shutdown()
             raise
-        runtime.kernels[kernel_id] = kernel
-        self.kernels[kernel_id] = kernel
+        self._register(runtime, kernel)
         return kernel
+
+    def _register(self, runtime: Runtime, kernel: KernelProcess) -> None:
+        runtime.kernels[kernel.id] = kernel
+        self.kernels[kernel.id] = kernel
 
     async def remove_kernel(self, kernel_id: str) -> None:
         kernel = self.get_kernel(kernel_id)
@@ -154,6 +188,44 @@ class RuntimeManager:
         if kernel is None:
             raise NotFound(f"no kernel {kernel_id} on this host")
         return kernel
+
+    # --------------------------------------------------------------- releasing
+    async def suspend(self, workspace_id: str, generation: int,
+                      options: statesync.SuspendOptions) -> dict[str, Any] | None:
+        """Save files, packages and kernel state, then release; None if no runtime.
+
+        Everything is saved while the kernels still run. If any of it fails, the
+        runtime is kept and :class:`SuspendFailed` is raised: a workspace is never
+        half-suspended.
+        """
+        async with self._lock(workspace_id):
+            self._fence(workspace_id, generation)
+            runtime = self.runtimes.get(workspace_id)
+            if runtime is None:
+                return None
+            notes = [note for kernel in runtime.kernels.values()
+                     if (note := await statesync.quiesce(kernel, options))]
+            flushed = [k for k in runtime.kernels.values() if await statesync.flush(k)]
+            try:
+                saved = await asyncio.to_thread(self._save, runtime, flushed)
+            except Exception as exc:
+                log.warning("suspend of %s failed: %r", workspace_id, exc)
+                raise SuspendFailed(f"could not save the workspace: {exc!r}"[:1000],
+                                    runtime="kept") from exc
+            if self.release_delay_s:
+                await asyncio.sleep(self.release_delay_s)
+            await self._teardown(runtime, sync=False)
+            saved["notes"] = notes
+            return saved
+
+    def _save(self, runtime: Runtime, flushed: list[KernelProcess]) -> dict[str, Any]:
+        workspace_id = runtime.workspace_id
+        kernels = {k.id: statesync.upload(self.blobs, workspace_id, k) for k in flushed}
+        runtime.manifest = filesync.sync_back(
+            self.files, workspace_id, runtime.workdir, runtime.manifest)
+        packages = store_layer(self.blobs, workspace_id, runtime.slot.packages)
+        return {"kernels": kernels, "packages": packages,
+                "bytes": sum(k["bytes"] for k in kernels.values())}
 
     async def release(self, workspace_id: str, generation: int, sync: bool = True) -> bool:
         """Stop the kernels, sync files back, drop the runtime. False if there was none."""
@@ -177,9 +249,9 @@ class RuntimeManager:
                 filesync.sync_back, self.files, runtime.workspace_id, runtime.workdir,
                 runtime.manifest,
             )
-        self.runtimes.pop(runtime.workspace_id, None)
-        await asyncio.to_thread(shutil.rmtree, runtime.root, True)
-        await asyncio.to_thread(shutil.rmtree, runtime.sockets, True)
+        if self.runtimes.get(runtime.workspace_id) is runtime:
+            del self.runtimes[runtime.workspace_id]
+        await asyncio.to_thread(runtime.slot.remove)
 
     async def write_file(self, workspace_id: str, path: str, data: bytes | None) -> None:
         """Mirror an API write into a live runtime (``None`` deletes)."""
@@ -195,6 +267,7 @@ class RuntimeManager:
 
     async def shutdown(self) -> None:
         """Agent exit: stop every kernel and save what the kernels wrote."""
+        await self.pool.shutdown()
         for runtime in list(self.runtimes.values()):
             try:
                 await self._teardown(runtime, sync=True)

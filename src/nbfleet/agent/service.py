@@ -35,6 +35,8 @@ class AgentConfig:
     gpus: str = ""
     advertise_url: str = ""  # filled in once the listening port is known
     release_delay_s: float = 0.0
+    #: Warm kernels kept ready for resumes (0 turns the pool off).
+    warm_pool: int = 1
     sandbox: str = "auto"  # auto | bwrap | none
     #: Directories kernels must never see besides the agent's own state (e.g. the
     #: control plane's home with its DB and secrets, in embedded mode).
@@ -131,7 +133,9 @@ class AgentService:
             self.runtimes = RuntimeManager(
                 self.state_dir, files, self.sockets_dir,
                 sandbox=self.sandbox, release_delay_s=self.config.release_delay_s,
+                warm_pool=self.config.warm_pool,
             )
+            self.runtimes.pool.start()
         log.info("registered as %s (%s)", self.agent_id, self.boot_id)
 
     async def heartbeat_forever(self) -> None:

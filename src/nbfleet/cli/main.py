@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
@@ -39,6 +39,21 @@ SANDBOX_OPT = typer.Option(
     "auto", "--sandbox",
     help="Kernel isolation: bwrap (bubblewrap, required), none, or auto (bwrap if it works)",
 )
+WARM_POOL_OPT = typer.Option(1, "--warm-pool", min=0, max=64,
+                             help="Warm kernels kept ready for fast resumes (0: none)")
+IDLE_OPT = typer.Option(
+    3600.0, "--idle-suspend", min=0,
+    help="Suspend a workspace idle this many seconds (0: never); projects may override",
+)
+ON_BUSY_OPT = typer.Option(
+    "wait", "--suspend-on-busy",
+    help="A suspend that finds a cell running: 'wait' for it (up to --suspend-busy-timeout, "
+         "then interrupt) or 'interrupt' it at once",
+)
+BUSY_TIMEOUT_OPT = typer.Option(30.0, "--suspend-busy-timeout", min=0,
+                                help="Seconds a suspend waits for a running cell")
+CULL_INTERVAL_OPT = typer.Option(30.0, "--cull-interval", min=0.1,
+                                 help="Seconds between idle checks")
 
 
 def _check_agent_options(gpus: str, sandbox: str) -> None:
@@ -54,8 +69,15 @@ def _check_agent_options(gpus: str, sandbox: str) -> None:
         raise typer.Exit(2)
 
 
+def _check_suspend_options(on_busy: str) -> None:
+    if on_busy not in ("wait", "interrupt"):
+        console.print("[red]error:[/red] --suspend-on-busy must be 'wait' or 'interrupt'")
+        raise typer.Exit(2)
+
+
 def _control(home: Path, db: str | None, blobs: str | None, secret: str | None,
-             host: str, port: int, log_level: str) -> tuple[Serving, str, str]:
+             host: str, port: int, log_level: str, lifecycle: dict[str, Any]
+             ) -> tuple[Serving, str, str]:
     from nbfleet.cli.servers import Serving, _Server, bind, load_or_create_secret, uvicorn_config
     from nbfleet.control.app import create_app
     from nbfleet.control.platform import ControlConfig
@@ -64,7 +86,7 @@ def _control(home: Path, db: str | None, blobs: str | None, secret: str | None,
     home.mkdir(parents=True, exist_ok=True)
     secret = secret or load_or_create_secret(home / "cluster-secret")
     config = ControlConfig(db_url=db or sqlite_url(home), blobs_url=blobs or str(home / "blobs"),
-                           secret=secret)
+                           secret=secret, **lifecycle)
     control_app = create_app(config)
     token = ensure_admin(control_app.state.platform.db, str(home / "admin-token"))
     sock = bind(host, port)
@@ -91,6 +113,11 @@ def up(
     port: int = typer.Option(DEFAULT_PORT, help="Port of the control plane"),
     gpus: str = typer.Option("4xA100-80GB", help="Virtual GPUs of the embedded agent"),
     sandbox: str = SANDBOX_OPT,
+    warm_pool: int = WARM_POOL_OPT,
+    idle_suspend: float = IDLE_OPT,
+    suspend_on_busy: str = ON_BUSY_OPT,
+    suspend_busy_timeout: float = BUSY_TIMEOUT_OPT,
+    cull_interval: float = CULL_INTERVAL_OPT,
     log_level: str = LOG_OPT,
 ) -> None:
     """Run the whole platform on this machine: control plane + one agent, SQLite, local blobs."""
@@ -104,12 +131,16 @@ def up(
 
     configure_logging(log_level)
     _check_agent_options(gpus, sandbox)
+    _check_suspend_options(suspend_on_busy)
     state = home_dir(home)
-    control, url, token = _control(state, None, None, None, host, port, log_level)
+    lifecycle = {"idle_suspend_s": idle_suspend, "suspend_on_busy": suspend_on_busy,
+                 "suspend_busy_timeout_s": suspend_busy_timeout,
+                 "cull_interval_s": cull_interval}
+    control, url, token = _control(state, None, None, None, host, port, log_level, lifecycle)
     agent = agent_server(
         AgentConfig(control_url=url, secret=load_or_create_secret(state / "cluster-secret"),
                     state_dir=str(state / "agent"), gpus=gpus, sandbox=sandbox,
-                    hidden_paths=[str(state)]),
+                    hidden_paths=[str(state)], warm_pool=warm_pool),
         "127.0.0.1", 0, log_level,
     )
     _banner(url, token, state)
@@ -128,14 +159,22 @@ def control(
                                       help="Cluster secret shared with agents"),
     host: str = typer.Option("127.0.0.1"),
     port: int = typer.Option(DEFAULT_PORT),
+    idle_suspend: float = IDLE_OPT,
+    suspend_on_busy: str = ON_BUSY_OPT,
+    suspend_busy_timeout: float = BUSY_TIMEOUT_OPT,
+    cull_interval: float = CULL_INTERVAL_OPT,
     log_level: str = LOG_OPT,
 ) -> None:
     """Run the control plane alone (agents join with `nbfleet agent`)."""
     from nbfleet.cli.servers import configure_logging, serve_all
 
     configure_logging(log_level)
+    _check_suspend_options(suspend_on_busy)
     state = home_dir(home)
-    serving, url, token = _control(state, db, blobs, secret, host, port, log_level)
+    lifecycle = {"idle_suspend_s": idle_suspend, "suspend_on_busy": suspend_on_busy,
+                 "suspend_busy_timeout_s": suspend_busy_timeout,
+                 "cull_interval_s": cull_interval}
+    serving, url, token = _control(state, db, blobs, secret, host, port, log_level, lifecycle)
     _banner(url, token, state)
     asyncio.run(serve_all([serving]))
 
@@ -151,6 +190,7 @@ def agent(
     host: str = typer.Option("127.0.0.1"),
     port: int = typer.Option(0, help="0 picks a free port"),
     sandbox: str = SANDBOX_OPT,
+    warm_pool: int = WARM_POOL_OPT,
     log_level: str = LOG_OPT,
 ) -> None:
     """Run one agent (host) that registers with a control plane."""
@@ -165,7 +205,8 @@ def agent(
     serving = agent_server(
         AgentConfig(control_url=control_url.rstrip("/"), secret=secret,
                     state_dir=state_dir or str(state / "agent"), gpus=gpus,
-                    release_delay_s=release_delay, sandbox=sandbox, hidden_paths=[str(state)]),
+                    release_delay_s=release_delay, sandbox=sandbox, hidden_paths=[str(state)],
+                    warm_pool=warm_pool),
         host, port, log_level,
     )
     asyncio.run(serve_all([serving]))

@@ -6,7 +6,7 @@ from typing import Any
 
 import httpx
 
-from nbfleet.model.errors import Conflict, DomainError, NotFound, Unavailable
+from nbfleet.model.errors import Conflict, DomainError, NotFound, SuspendFailed, Unavailable
 
 
 class AgentClient:
@@ -25,6 +25,8 @@ class AgentClient:
         if response.status_code < 300:
             return response.json() if response.content else None
         detail = _detail(response)
+        if _body(response).get("runtime") == "kept":
+            raise SuspendFailed(detail)
         if response.status_code == 404:
             raise NotFound(detail)
         if response.status_code == 409:
@@ -34,9 +36,19 @@ class AgentClient:
         raise Unavailable(f"agent error {response.status_code}: {detail}")
 
     async def ensure_runtime(self, base: str, workspace_id: str, generation: int,
-                             kernels: list[dict[str, str]]) -> Any:
-        return await self._call("PUT", f"{base}/agent/v1/runtimes/{workspace_id}",
-                                json={"generation": generation, "kernels": kernels})
+                             kernels: list[dict[str, str]],
+                             snapshot: dict[str, Any] | None = None) -> Any:
+        body: dict[str, Any] = {"generation": generation, "kernels": kernels}
+        if snapshot:
+            body["snapshot"] = {kid: k["key"] for kid, k in snapshot.get("kernels", {}).items()}
+            body["packages"] = snapshot.get("packages")
+        return await self._call("PUT", f"{base}/agent/v1/runtimes/{workspace_id}", json=body)
+
+    async def suspend_runtime(self, base: str, workspace_id: str, generation: int,
+                              on_busy: str, busy_timeout_s: float) -> Any:
+        return await self._call("POST", f"{base}/agent/v1/runtimes/{workspace_id}/suspend",
+                                json={"generation": generation, "on_busy": on_busy,
+                                      "busy_timeout_s": busy_timeout_s})
 
     async def release_runtime(self, base: str, workspace_id: str, generation: int) -> Any:
         return await self._call("DELETE", f"{base}/agent/v1/runtimes/{workspace_id}",
@@ -82,9 +94,14 @@ class AgentClient:
         await self.http.aclose()
 
 
-def _detail(response: httpx.Response) -> str:
+def _body(response: httpx.Response) -> dict[str, Any]:
     try:
         body = response.json()
-        return str(body.get("detail") or body)
     except ValueError:
-        return response.text[:500]
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+def _detail(response: httpx.Response) -> str:
+    body = _body(response)
+    return str(body.get("detail") or body) if body else response.text[:500]

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Response
 
 from nbfleet import __version__
-from nbfleet.control import housekeeping, leases
+from nbfleet.control import culler, housekeeping, leases
 from nbfleet.control.platform import ControlConfig, Platform
 from nbfleet.control.reconciler import LEASE, Reconciler
 from nbfleet.control.routers import admin, files, gateway, internal, workspaces
@@ -27,7 +27,8 @@ def create_app(config: ControlConfig, run_reconciler: bool = True) -> FastAPI:
         tasks = []
         if run_reconciler:
             tasks = [asyncio.create_task(Reconciler(platform).run_forever()),
-                     asyncio.create_task(housekeeping.run_forever(platform))]
+                     asyncio.create_task(housekeeping.run_forever(platform)),
+                     asyncio.create_task(culler.run_forever(platform))]
         try:
             yield
         finally:
@@ -35,7 +36,8 @@ def create_app(config: ControlConfig, run_reconciler: bool = True) -> FastAPI:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-            for lease in (LEASE, housekeeping.LEASE):  # let another replica take over now
+            # Let another replica take over now.
+            for lease in (LEASE, housekeeping.LEASE, culler.LEASE):
                 await asyncio.to_thread(leases.release, platform.db, lease, platform.instance_id)
             await platform.aclose()
 

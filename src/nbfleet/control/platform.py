@@ -20,6 +20,13 @@ class ControlConfig:
     reconcile_interval_s: float = 1.0
     lease_ttl_s: float = 5.0
     agent_timeout_s: float = 10.0
+    #: Suspend a workspace whose kernels have been idle this long (0: never). A
+    #: project's own setting wins.
+    idle_suspend_s: float = 3600.0
+    cull_interval_s: float = 30.0
+    #: A suspend that finds a cell running: "wait" (then interrupt) or "interrupt".
+    suspend_on_busy: str = "wait"
+    suspend_busy_timeout_s: float = 30.0
 
 
 @dataclass
@@ -32,6 +39,7 @@ class Platform:
     instance_id: str = field(default_factory=lambda: f"ctl_{secrets.token_hex(6)}")
     _wake: asyncio.Event | None = None
     _loop: asyncio.AbstractEventLoop | None = None
+    _changed: asyncio.Event | None = None
 
     def __post_init__(self) -> None:
         self.db = Database(self.config.db_url)
@@ -43,6 +51,26 @@ class Platform:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         return self._wake
+
+    def changed(self) -> asyncio.Event:
+        """An event set at the next workspace change this process makes.
+
+        Take it *before* reading the state you wait on, so no change slips between.
+        Changes made by other replicas are not signalled: waiters also poll.
+        """
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        return self._changed
+
+    def notify_changed(self) -> None:
+        """Wake the waiters of :meth:`changed` (thread-safe)."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._fire_changed)
+
+    def _fire_changed(self) -> None:
+        fired, self._changed = self._changed, None
+        if fired is not None:
+            fired.set()
 
     def wake(self) -> None:
         """Nudge the reconciler now instead of at its next tick (thread-safe)."""

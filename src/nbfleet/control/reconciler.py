@@ -15,7 +15,8 @@ import contextlib
 import logging
 import random
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
+from typing import Any
 
 from prometheus_client import Counter
 from sqlalchemy import select
@@ -23,10 +24,17 @@ from sqlalchemy.orm import Session
 
 from nbfleet.control import hosts, leases
 from nbfleet.control.platform import Platform
-from nbfleet.control.workspaces import transition
+from nbfleet.control.workspaces import iso, transition
 from nbfleet.db.tables import Kernel, Workspace
-from nbfleet.model.errors import DomainError, NotFound
-from nbfleet.model.workspace import Action, DesiredState, Step, WorkspaceState, plan, retry_delay_s
+from nbfleet.model.errors import DomainError, NotFound, SuspendFailed
+from nbfleet.model.workspace import (
+    Action,
+    DesiredState,
+    Step,
+    WorkspaceState,
+    plan,
+    retry_delay_s,
+)
 from nbfleet.policy.placement import least_loaded
 
 log = logging.getLogger(__name__)
@@ -53,6 +61,7 @@ class Work:
     expect_state: WorkspaceState
     host_url: str | None
     kernels: tuple[tuple[str, str], ...]
+    snapshot: dict[str, Any] | None
 
 
 class Reconciler:
@@ -126,15 +135,18 @@ class Reconciler:
             if work is None:
                 return
             try:
-                await self._act(work)
+                result = await self._act(work)
             except LeaseLost:
                 raise
             except Exception as exc:
                 STEPS.labels(work.step.action, "error").inc()
                 await asyncio.to_thread(self._fail, work, exc)
+                self.platform.notify_changed()
                 return
             STEPS.labels(work.step.action, "ok").inc()
-            if not await asyncio.to_thread(self._finish, work):
+            more = await asyncio.to_thread(self._finish, work, result)
+            self.platform.notify_changed()
+            if not more:
                 return
 
     # ----------------------------------------------------------- transactions
@@ -174,9 +186,9 @@ class Reconciler:
                 ).scalars()
             )
             return Work(ws.id, step, ws.generation, WorkspaceState(ws.state),
-                        host.url if host else None, kernels)
+                        host.url if host else None, kernels, ws.snapshot)
 
-    def _finish(self, work: Work) -> bool:
+    def _finish(self, work: Work, result: Any) -> bool:
         """Settle the step; True if the workspace still has work to do."""
         with self.db.transaction() as session:
             self._check_lease(session)
@@ -185,6 +197,8 @@ class Reconciler:
             if ws is None or ws.state != work.expect_state:
                 return False
             transition(session, ws, work.step.done, now, f"{work.step.action} done")
+            if isinstance(result, dict):
+                _record(ws, work, result, now)
             if work.step.action is not Action.PLACE:
                 ws.host_id = ws.host_boot_id = None
             if work.step.action is Action.DESTROY:
@@ -206,27 +220,59 @@ class Reconciler:
             ws = session.get(Workspace, work.workspace_id, with_for_update=True)
             if ws is None or ws.state != work.expect_state:
                 return
-            ws.attempts += 1
             ws.last_error = f"{work.step.action} failed: {message}"[:2000]
+            if isinstance(exc, SuspendFailed):
+                # Nothing was released: the workspace runs on, and says why it did not
+                # suspend. It is not retried behind the user's back.
+                ws.desired_state = DesiredState.RUNNING
+                transition(session, ws, WorkspaceState.RUNNING, now, ws.last_error)
+                ws.attempts, ws.next_attempt_at = 0, None
+                return
+            ws.attempts += 1
             delay = retry_delay_s(ws.attempts) * random.uniform(0.5, 1.0)
             ws.next_attempt_at = now + timedelta(seconds=delay)
             if work.step.action is Action.PLACE:
                 transition(session, ws, WorkspaceState.FAILED, now, ws.last_error)
 
     # --------------------------------------------------------------- actions
-    async def _act(self, work: Work) -> None:
+    async def _act(self, work: Work) -> Any:
         agents = self.platform.agents
+        config = self.platform.config
         if work.step.action is Action.PLACE:
             assert work.host_url is not None
-            await agents.ensure_runtime(
+            return await agents.ensure_runtime(
                 work.host_url, work.workspace_id, work.generation,
-                [{"id": kid, "name": name} for kid, name in work.kernels],
+                [{"id": kid, "name": name} for kid, name in work.kernels], work.snapshot,
             )
-            return
+        result: Any = None
         if work.host_url is not None:
             try:
-                await agents.release_runtime(work.host_url, work.workspace_id, work.generation)
+                if work.step.action is Action.RELEASE:
+                    result = await agents.suspend_runtime(
+                        work.host_url, work.workspace_id, work.generation,
+                        config.suspend_on_busy, config.suspend_busy_timeout_s)
+                else:
+                    await agents.release_runtime(work.host_url, work.workspace_id,
+                                                 work.generation)
             except NotFound as exc:  # nothing there to release; a stale refusal is retried
                 log.info("release of %s: %s", work.workspace_id, exc.detail)
         if work.step.action is Action.DESTROY:
             await asyncio.to_thread(self.platform.files.delete_all, work.workspace_id)
+        return result
+
+
+def _record(ws: Workspace, work: Work, result: dict[str, Any], now: datetime) -> None:
+    """Keep what an agent reported: the snapshot a suspend saved, what a resume restored."""
+    kernel_ids = {kid for kid, _ in work.kernels}
+    if work.step.action is Action.PLACE and result.get("restore"):
+        ws.restore = {"at": iso(now), "kernels": result["restore"],
+                      "packages": result.get("packages") or {}}
+    saved = result.get("snapshot")
+    if work.step.action is Action.RELEASE and isinstance(saved, dict):
+        previous = (ws.snapshot or {}).get("kernels", {})
+        # A kernel that could not flush keeps its last complete snapshot.
+        kernels = {kid: key for kid, key in {**previous, **saved["kernels"]}.items()
+                   if kid in kernel_ids}
+        ws.snapshot = {"at": iso(now), "kernels": kernels, "packages": saved.get("packages"),
+                       "bytes": sum(int(k.get("bytes", 0)) for k in kernels.values()),
+                       "notes": saved.get("notes", [])}

@@ -14,7 +14,7 @@ from nbfleet.control.auth import hash_token, new_token
 from nbfleet.db.engine import Database
 from nbfleet.db.ids import new_id
 from nbfleet.db.tables import ApiToken, Org, Project, User
-from nbfleet.model.errors import Conflict, InvalidInput
+from nbfleet.model.errors import Conflict, InvalidInput, NotFound
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 ADMIN_ORG = "system"
@@ -106,3 +106,17 @@ def write_secret(path: str, value: str) -> None:
     with os.fdopen(fd, "w") as handle:
         handle.write(value + "\n")
     os.chmod(path, 0o600)
+
+
+def set_idle_suspend(db: Database, org_name: str, project_name: str,
+                     seconds: int | None) -> None:
+    """A project's own idle-suspend timeout (None: the platform default, 0: never)."""
+    with db.transaction() as session:
+        project = session.execute(
+            select(Project).join(Org, Org.id == Project.org_id)
+            .where(Org.name == org_name, Project.name == project_name)
+            .with_for_update()
+        ).scalar_one_or_none()
+        if project is None:
+            raise NotFound(f"project {org_name}/{project_name} not found")
+        project.idle_suspend_s = seconds

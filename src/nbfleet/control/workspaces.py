@@ -35,9 +35,28 @@ def to_json(ws: Workspace) -> dict[str, Any]:
         "generation": ws.generation,
         "host_id": ws.host_id,
         "last_error": ws.last_error,
+        "snapshot": _snapshot_summary(ws.snapshot),
+        "restore": ws.restore,
         "created_at": iso(ws.created_at),
         "updated_at": iso(ws.updated_at),
     }
+
+
+def _snapshot_summary(snapshot: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What a user may know of the last snapshot: when, how big, what it holds."""
+    if not snapshot:
+        return None
+    return {"at": snapshot.get("at"), "bytes": snapshot.get("bytes", 0),
+            "kernels": sorted(snapshot.get("kernels", {})),
+            "packages": snapshot.get("packages") is not None,
+            "notes": snapshot.get("notes", [])}
+
+
+def is_done(ws: Workspace) -> bool:
+    """True once a requested change has run its course, well or badly."""
+    state = WorkspaceState(ws.state)
+    return is_settled(state, DesiredState(ws.desired_state)) or state in (
+        WorkspaceState.FAILED, WorkspaceState.DELETED)
 
 
 def get_visible(session: Session, principal: Principal, workspace_id: str,

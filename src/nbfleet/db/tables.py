@@ -31,6 +31,9 @@ class Project(Base):
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
     org_id: Mapped[str] = mapped_column(ForeignKey("orgs.id"))
     name: Mapped[str] = mapped_column(String(100))
+    #: Suspend this project's idle workspaces after this many seconds (None: the
+    #: platform default, 0: never).
+    idle_suspend_s: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[datetime]
 
 
@@ -78,6 +81,12 @@ class Workspace(Base):
     last_error: Mapped[str | None] = mapped_column(Text)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     next_attempt_at: Mapped[datetime | None]
+    #: The last complete snapshot: kernel id -> manifest key, the package layer key,
+    #: its size and time. Written only once a suspend has saved everything, so a
+    #: crash mid-suspend leaves the previous one in place.
+    snapshot: Mapped[dict[str, Any] | None]
+    #: What the last resume restored, per kernel (shown to the user).
+    restore: Mapped[dict[str, Any] | None]
     created_at: Mapped[datetime]
     updated_at: Mapped[datetime]
 

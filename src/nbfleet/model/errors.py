@@ -43,3 +43,9 @@ class Forbidden(DomainError):
 class Unavailable(DomainError):
     status = 503
     title = "Service unavailable"
+
+
+class SuspendFailed(Unavailable):
+    """A suspend could not save the workspace's state; the runtime is still running."""
+
+    title = "Suspend failed"

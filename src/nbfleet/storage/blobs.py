@@ -7,6 +7,7 @@ is fsynced, then renamed over the target; object stores make a PUT atomic alread
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -61,6 +62,37 @@ class BlobStore:
             if os.path.exists(tmp):
                 os.unlink(tmp)
             raise
+
+    def put_file(self, key: str, local: str) -> None:
+        """Like :meth:`put`, from a local file, without reading it all into memory."""
+        path = self._path(key)
+        if not self.local:
+            self.fs.put_file(local, path)
+            return
+        directory = os.path.dirname(path)
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
+        os.close(fd)
+        try:
+            shutil.copyfile(local, tmp)
+            with open(tmp, "rb") as handle:
+                os.fsync(handle.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+    def get_file(self, key: str, local: str) -> None:
+        """Copy a blob to a local file (a kernel's runtime directory, say)."""
+        path = self._path(key)
+        try:
+            if self.local:
+                shutil.copyfile(path, local)
+            else:
+                self.fs.get_file(path, local)
+        except (FileNotFoundError, IsADirectoryError) as exc:
+            raise NotFound(f"no such file: {key}") from exc
 
     def get(self, key: str) -> bytes:
         path = self._path(key)

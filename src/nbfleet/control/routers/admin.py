@@ -6,7 +6,7 @@ import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import select
 
 from nbfleet.control import tenancy
@@ -34,6 +34,22 @@ async def create_user(body: CreateUser, request: Request,
     )
     return {"id": created.user_id, "name": body.name, "org": created.org,
             "project": created.project, "token": created.token}
+
+
+class ProjectSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    idle_suspend_s: int | None = Field(
+        description="Suspend idle workspaces after this many seconds; 0 never, null the "
+                    "platform default", ge=0, le=30 * 86400)
+
+
+@router.put("/orgs/{org}/projects/{project}/settings",
+            summary="Set a project's idle-suspend timeout")
+async def project_settings(org: str, project: str, body: ProjectSettings, request: Request,
+                           _: Principal = Depends(require_admin)) -> dict[str, Any]:
+    await asyncio.to_thread(tenancy.set_idle_suspend, platform_of(request).db, org, project,
+                            body.idle_suspend_s)
+    return {"org": org, "project": project, "idle_suspend_s": body.idle_suspend_s}
 
 
 @router.get("/agents", summary="Registered hosts")

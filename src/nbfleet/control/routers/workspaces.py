@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import time
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request
@@ -90,31 +93,58 @@ def workspace_events(workspace_id: str, request: Request,
         }
 
 
-def _request_state(request: Request, principal: Principal, workspace_id: str,
-                   desired: DesiredState) -> JSONResponse:
-    db = platform_of(request).db
+WAIT = Query(0.0, ge=0, le=300, description=(
+    "Seconds to wait for the change to finish. 0 answers 202 at once; otherwise the "
+    "answer is 200 with the settled workspace (and, for a resume, what was restored), "
+    "or 202 if it is still in progress when the time is up."))
+
+
+async def _request_state(request: Request, principal: Principal, workspace_id: str,
+                         desired: DesiredState, wait: float = 0.0) -> JSONResponse:
+    platform = platform_of(request)
+    db = platform.db
 
     def action(session: Session) -> tuple[int, dict[str, Any]]:
         ws = workspaces.get_visible(session, principal, workspace_id, for_update=True)
         workspaces.request_state(ws, desired, db.now(session))
         return 202, workspaces.to_json(ws)
 
-    return idempotent_reply(request, principal, {"desired": str(desired)}, action)
+    response = await asyncio.to_thread(
+        idempotent_reply, request, principal, {"desired": str(desired)}, action)
+    if wait <= 0 or response.status_code >= 400:
+        return response
+
+    def read() -> tuple[bool, dict[str, Any]]:
+        with db.transaction(write=False) as session:
+            ws = workspaces.get_visible(session, principal, workspace_id)
+            return workspaces.is_done(ws), workspaces.to_json(ws)
+
+    deadline = time.monotonic() + wait
+    while True:
+        changed = platform.changed()  # before the read: no change slips between
+        done, body = await asyncio.to_thread(read)
+        remaining = deadline - time.monotonic()
+        if done or remaining <= 0:
+            return JSONResponse(body, status_code=200 if done else 202)
+        with contextlib.suppress(TimeoutError):  # other replicas do not signal: poll too
+            await asyncio.wait_for(changed.wait(), min(remaining, 0.25))
 
 
 @router.post("/{workspace_id}/suspend", status_code=202, summary="Suspend a workspace")
-def suspend_workspace(workspace_id: str, request: Request,
-                      principal: Principal = Depends(current_principal)) -> JSONResponse:
-    return _request_state(request, principal, workspace_id, DesiredState.SUSPENDED)
+async def suspend_workspace(workspace_id: str, request: Request, wait: float = WAIT,
+                            principal: Principal = Depends(current_principal)) -> JSONResponse:
+    """Save files, packages and variables, then release the runtime (see ``wait``)."""
+    return await _request_state(request, principal, workspace_id, DesiredState.SUSPENDED, wait)
 
 
 @router.post("/{workspace_id}/resume", status_code=202, summary="Resume a workspace")
-def resume_workspace(workspace_id: str, request: Request,
-                     principal: Principal = Depends(current_principal)) -> JSONResponse:
-    return _request_state(request, principal, workspace_id, DesiredState.RUNNING)
+async def resume_workspace(workspace_id: str, request: Request, wait: float = WAIT,
+                           principal: Principal = Depends(current_principal)) -> JSONResponse:
+    """Bring the runtime back with the last snapshot; ``restore`` says what came back."""
+    return await _request_state(request, principal, workspace_id, DesiredState.RUNNING, wait)
 
 
 @router.delete("/{workspace_id}", status_code=202, summary="Delete a workspace")
-def delete_workspace(workspace_id: str, request: Request,
-                     principal: Principal = Depends(current_principal)) -> JSONResponse:
-    return _request_state(request, principal, workspace_id, DesiredState.DELETED)
+async def delete_workspace(workspace_id: str, request: Request,
+                           principal: Principal = Depends(current_principal)) -> JSONResponse:
+    return await _request_state(request, principal, workspace_id, DesiredState.DELETED)

@@ -1,0 +1,140 @@
+"""Moving a kernel's in-memory state between the kernel, its slot and the blob store.
+
+The kernel's extension (``nbfleet.kernel``) writes and reads the state in the
+kernel's own state directory; it never touches the blob store, which the sandbox
+hides. The agent asks it to flush or restore through a silent execute request, then
+copies the directory to or from the store (``nbfleet.storage.snapshots``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from nbfleet.agent.kernel_process import KernelProcess
+from nbfleet.model.errors import SuspendFailed
+from nbfleet.storage.blobs import BlobStore
+from nbfleet.storage.snapshots import CorruptSnapshot, clear_dir, download_state, upload_state
+
+log = logging.getLogger(__name__)
+
+FLUSH = "__import__('nbfleet.kernel').kernel.flush()"
+RESTORE = ("__import__('importlib').invalidate_caches()\n"
+           "__import__('nbfleet.kernel').kernel.restore()")
+FLUSH_TIMEOUT_S = 300.0
+RESTORE_TIMEOUT_S = 300.0
+INTERRUPT_GRACE_S = 10.0
+
+OnBusy = Literal["wait", "interrupt"]
+
+
+class KernelFailed(Exception):
+    """The kernel answered the agent's request with an error."""
+
+
+@dataclass(frozen=True, slots=True)
+class SuspendOptions:
+    """What to do with a cell still running when a suspend arrives.
+
+    ``wait``: give the cell ``busy_timeout_s`` to finish, then interrupt it.
+    ``interrupt``: interrupt it at once. Either way the state captured is the one
+    after the cell stopped; a kernel that ignores the interrupt fails the suspend,
+    and the workspace keeps running.
+    """
+
+    on_busy: OnBusy = "wait"
+    busy_timeout_s: float = 30.0
+
+
+async def quiesce(kernel: KernelProcess, options: SuspendOptions) -> str | None:
+    """Make sure no cell runs; returns a note for the user when one was interrupted."""
+    if kernel.execution_state in ("idle", "dead"):
+        return None
+    if options.on_busy == "wait" and await kernel.wait_idle(options.busy_timeout_s):
+        return None
+    await kernel.interrupt()
+    if not await kernel.wait_idle(INTERRUPT_GRACE_S):
+        raise SuspendFailed(f"kernel {kernel.id} is still busy after an interrupt", runtime="kept")
+    return "a running cell was interrupted to suspend"
+
+
+async def _run(kernel: KernelProcess, code: str, timeout_s: float) -> None:
+    reply = await kernel.execute_internal(code, timeout_s)
+    if reply.get("status") != "ok":
+        raise KernelFailed(f"{reply.get('ename', 'error')}: {reply.get('evalue', '')}"[:500])
+
+
+async def flush(kernel: KernelProcess) -> bool:
+    """Have the kernel write its state to its state directory; False if it cannot."""
+    if kernel.state_dir is None or kernel.execution_state == "dead":
+        return False
+    try:
+        await _run(kernel, FLUSH, FLUSH_TIMEOUT_S)
+    except (KernelFailed, TimeoutError) as exc:
+        log.warning("kernel %s could not flush its state: %s", kernel.id, exc)
+        return False
+    manifest = os.path.join(kernel.state_dir, "manifest.json")
+    return await asyncio.to_thread(os.path.exists, manifest)
+
+
+def upload(store: BlobStore, workspace_id: str, kernel: KernelProcess) -> dict[str, Any]:
+    assert kernel.state_dir is not None
+    uploaded = upload_state(store, workspace_id, kernel.id, kernel.state_dir)
+    return {"key": uploaded.key, "bytes": uploaded.bytes_total, "written": uploaded.bytes_written}
+
+
+async def restore(store: BlobStore, workspace_id: str, kernel: KernelProcess,
+                  key: str | None, path: str) -> dict[str, Any]:
+    """Load a snapshot into a started kernel; the report says what came back.
+
+    A snapshot that fails verification, or that the kernel cannot read, is not
+    loaded at all: the kernel keeps an empty namespace and the report says that
+    only the files were restored.
+    """
+    started = time.perf_counter()
+    report: dict[str, Any] = {"path": path, "restored": [], "recomputed": [], "lost": [],
+                              "files_only": False, "error": None}
+    if key is not None and kernel.state_dir is not None:
+        try:
+            await asyncio.to_thread(clear_dir, kernel.state_dir)
+            report["bytes"] = await asyncio.to_thread(
+                download_state, store, workspace_id, key, kernel.state_dir)
+            await _run(kernel, RESTORE, RESTORE_TIMEOUT_S)
+            report.update(await asyncio.to_thread(_read_report, kernel.state_dir))
+        except (CorruptSnapshot, KernelFailed, ValueError, OSError) as exc:
+            log.warning("snapshot %s of %s is unusable: %s", key, workspace_id, exc)
+            await asyncio.to_thread(clear_dir, kernel.state_dir)
+            report.update(files_only=True, error=f"corrupt snapshot: {exc}"[:500])
+    report["seconds"] = round(time.perf_counter() - started, 4)
+    message = describe(report)
+    if message:
+        kernel.announce(message)
+    return report
+
+
+def _read_report(state_dir: str) -> dict[str, Any]:
+    with open(os.path.join(state_dir, "restore-report.json")) as handle:
+        body = json.load(handle)
+    return {k: body[k] for k in ("restored", "recomputed", "lost", "imports") if k in body}
+
+
+def describe(report: dict[str, Any]) -> str:
+    """The line a user sees in the notebook when the kernel comes back."""
+    if report["files_only"]:
+        return f"[nbfleet] Resumed with your files only: {report['error']}.\n"
+    restored, recomputed = report["restored"], report["recomputed"]
+    if not restored and not recomputed and not report["lost"]:
+        return ""
+    parts = [f"[nbfleet] Resumed: restored {len(restored)} variables"]
+    if recomputed:
+        parts.append(f", recomputed {', '.join(recomputed)}")
+    text = "".join(parts) + ".\n"
+    for lost in report["lost"]:
+        text += (f"[nbfleet] Not restored: {lost['name']} ({lost['type']}): "
+                 f"{lost.get('reason', 'cannot be saved')}.\n")
+    return text

@@ -1,0 +1,251 @@
+"""Tracks which user names each cell changed and pickles them in the background.
+
+The main thread only diffs the namespace, scans the cell and grabs references
+(well under a millisecond); pickling, hashing and writing blobs happen on one
+worker thread while the user reads the output. Pickling an object while the
+next cell mutates it would give a torn value, so every cell start bumps an
+epoch and the worker drops whatever it pickled across an epoch change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nbfleet.kernel import cellscan, codec
+from nbfleet.kernel.blobs import BlobStore
+from nbfleet.kernel.recipes import CellRecord, RecipeBook, can_change_in_place
+
+log = logging.getLogger("nbfleet.kernel")
+
+
+@dataclass(frozen=True)
+class Pickled:
+    entry: codec.Entry
+    obj_id: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    type: str
+    reason: str
+    obj_id: int
+
+
+Record = Pickled | Failed
+
+
+@dataclass(frozen=True)
+class _Job:
+    epoch: int
+    items: list[tuple[str, int, object]]  # name, dirty mark, the value at cell end
+
+
+class Capture:
+    """Per-kernel capture state; one instance lives while the extension is loaded."""
+
+    def __init__(self, shell: Any, state_dir: Path) -> None:
+        self.shell = shell
+        self.state_dir = state_dir
+        self.store = BlobStore(state_dir / "blobs")
+        self.imports: list[str] = []
+        self.footprints: dict[str, frozenset[str]] = {}
+        self.recipes = RecipeBook()
+        self.records: dict[str, Record] = {}
+        self.last_post_run_seconds = 0.0
+        self._lock = threading.Lock()
+        self._epoch = 0
+        self._mark = 0
+        self._dirty: dict[str, int] = {}  # name -> mark of the cell that dirtied it
+        self._before: dict[str, int] | None = None
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._worker = threading.Thread(target=self._work, name="nbfleet-capture", daemon=True)
+
+    # -- lifecycle -----------------------------------------------------------
+
+    def start(self) -> None:
+        self.shell.events.register("pre_run_cell", self.pre_run_cell)
+        self.shell.events.register("post_run_cell", self.post_run_cell)
+        self._worker.start()
+        self._dirty_and_submit(set(self.user_ids()))  # whatever was there before us
+
+    def stop(self) -> None:
+        for event, callback in (("pre_run_cell", self.pre_run_cell),
+                                ("post_run_cell", self.post_run_cell)):
+            with contextlib.suppress(ValueError):
+                self.shell.events.unregister(event, callback)
+        self._queue.put(None)
+        self._worker.join(timeout=30)
+
+    def quiesce(self) -> None:
+        """Let the worker finish, and void anything it was about to commit."""
+        self._queue.join()
+        with self._lock:
+            self._epoch += 1
+
+    # -- the namespace -------------------------------------------------------
+
+    def user_ids(self) -> dict[str, int]:
+        """``{name: id(value)}`` of user names: no ``_x``, no IPython-provided values."""
+        hidden = self.shell.user_ns_hidden
+        missing = object()
+        return {
+            name: id(value)
+            for name, value in self.shell.user_ns.items()
+            if isinstance(name, str) and not name.startswith("_")
+            and hidden.get(name, missing) is not value
+        }
+
+    # -- IPython hooks (main thread) -----------------------------------------
+
+    def pre_run_cell(self, info: Any = None) -> None:
+        with self._lock:
+            self._epoch += 1
+        self._before = self.user_ids()
+
+    def post_run_cell(self, result: Any) -> None:
+        started = time.perf_counter()
+        try:
+            self._after_cell(result)
+        except Exception:  # capture must never break the user's kernel
+            log.exception("nbfleet: tracking the cell's changes failed")
+        self.last_post_run_seconds = time.perf_counter() - started
+
+    def _after_cell(self, result: Any) -> None:
+        info = result.info
+        source = getattr(info, "transformed_cell", None)
+        if source is None:
+            source = self.shell.transform_cell(info.raw_cell or "")
+        after = self.user_ids()
+        before, self._before = self._before or {}, None
+        scan = cellscan.scan(source, self.footprints)
+
+        changed = {name for name, ident in after.items() if before.get(name) != ident}
+        defined = changed | (scan.defined & after.keys())
+        deleted = (before.keys() - after.keys()) | ((scan.deleted | scan.defined) - after.keys())
+        mutated = (scan.mutated & after.keys()) - defined
+        if mutated:  # ``b = a`` earlier: mutating b changed a too
+            ids = {after[name] for name in mutated}
+            mutated |= {name for name, ident in after.items() if ident in ids} - defined
+        success = bool(result.success)
+
+        self._track_imports(scan, success, after)
+        for name, footprint in scan.functions.items():
+            self.footprints[name] = footprint
+        for name in (defined - scan.functions.keys()) | deleted:
+            self.footprints.pop(name, None)
+        ns = self.shell.user_ns
+        if defined or mutated:
+            cell = CellRecord(
+                source, success, scan.uses_magic,
+                frozenset(n for n in mutated if can_change_in_place(ns[n])),
+                scan.loaded | scan.mutated,
+            )
+            rebuilt = defined & scan.loaded
+            self.recipes.record(cell, defined - rebuilt, rebuilt, mutated)
+        for name in deleted:
+            self.recipes.forget(name)
+        with self._lock:
+            for name in deleted:
+                self._dirty.pop(name, None)
+                self.records.pop(name, None)
+        self._dirty_and_submit(defined | mutated)
+
+    def _track_imports(self, scan: cellscan.CellScan, success: bool, after: dict[str, int]) -> None:
+        for statement in scan.imports:
+            if statement in self.imports:
+                continue
+            if not success:  # keep it only if it evidently ran
+                bound = cellscan.import_bindings(statement)
+                if not bound or not all(name in after for name in bound):
+                    continue
+            self.imports.append(statement)
+
+    def _dirty_and_submit(self, names: set[str]) -> None:
+        ns = self.shell.user_ns
+        with self._lock:
+            self._mark += 1
+            for name in names:
+                self._dirty[name] = self._mark
+            items = [(name, mark, ns[name]) for name, mark in self._dirty.items() if name in ns]
+            epoch = self._epoch
+        if items:
+            self._queue.put(_Job(epoch, items))
+
+    # -- the worker ----------------------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            job = self._queue.get()
+            try:
+                if job is None:
+                    return
+                self._run(job)
+            except Exception:
+                log.exception("nbfleet: background capture failed")
+            finally:
+                del job
+                self._queue.task_done()
+
+    def _run(self, job: _Job) -> None:
+        for name, mark, value in job.items:
+            with self._lock:
+                if self._epoch != job.epoch:
+                    return  # a cell is running: its end will resubmit what is dirty
+                if self._dirty.get(name) != mark:
+                    continue
+            record = self.encode(value)
+            with self._lock:
+                if self._epoch != job.epoch:
+                    return  # the value may have changed while we pickled it
+                if self._dirty.get(name) == mark:
+                    self.records[name] = record
+                    del self._dirty[name]
+
+    def encode(self, value: object) -> Record:
+        try:
+            return Pickled(codec.encode(value, self.shell.user_ns, self.store), id(value))
+        except codec.Unpicklable as error:
+            return Failed(codec.type_name(value), str(error), id(value))
+
+    # -- flush support (main thread, no cell running) ---------------------------
+
+    def settle(self) -> dict[str, Record]:
+        """Wait for the worker, then pickle what is still dirty; returns every record."""
+        self._queue.join()
+        ns = self.shell.user_ns
+        current = self.user_ids()
+        with self._lock:
+            for name in [n for n in self.records if n not in current]:
+                del self.records[name]
+            todo = [
+                name for name, ident in current.items()
+                if name in self._dirty or name not in self.records
+                or self.records[name].obj_id != ident  # rebound where no hook could see
+            ]
+        for name in todo:
+            record = self.encode(ns[name])
+            with self._lock:
+                self.records[name] = record
+                self._dirty.pop(name, None)
+        return dict(self.records)
+
+    def adopt(self, records: dict[str, Record], imports: list[str],
+              footprints: dict[str, frozenset[str]], recipes: dict[str, list[str]]) -> None:
+        """After a restore: the restored values are clean and keep their blobs."""
+        with self._lock:
+            for name, record in records.items():
+                self.records[name] = record
+                self._dirty.pop(name, None)
+        for statement in imports:
+            if statement not in self.imports:
+                self.imports.append(statement)
+        self.footprints.update(footprints)
+        for name, sources in recipes.items():
+            self.recipes.seed(name, sources, self.footprints)

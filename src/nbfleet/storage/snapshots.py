@@ -1,0 +1,193 @@
+"""Kernel-state snapshots and package layers in the blob store.
+
+A kernel writes its state to a local directory as ``manifest.json`` plus
+content-addressed ``blobs/<sha256>`` (see ``nbfleet.kernel``). This module moves
+that directory to and from the blob store:
+
+- Blobs live under the workspace's own ``cas/`` prefix, named by their SHA-256, so a
+  value that did not change (a 1 GB array) is uploaded once, however often the
+  workspace suspends. The store is per workspace: tenants never share, or learn of,
+  each other's content.
+- A manifest is uploaded after all the blobs it names, under a fresh key. Until the
+  control plane records that key, the previous snapshot stays the current one, so a
+  crash mid-upload leaves the last complete snapshot standing.
+- Downloads verify every blob's hash: a corrupt snapshot is reported, never loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import secrets
+import shutil
+import tarfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from nbfleet.model.errors import NotFound
+from nbfleet.storage.blobs import BlobStore
+from nbfleet.storage.files import workspace_prefix
+
+MANIFEST = "manifest.json"
+_PARALLEL = 4
+_CHUNK = 4 * 1024 * 1024
+
+
+class CorruptSnapshot(Exception):
+    """The snapshot cannot be trusted: a blob is missing, or its hash is wrong."""
+
+
+@dataclass(frozen=True, slots=True)
+class Uploaded:
+    key: str
+    bytes_total: int
+    bytes_written: int
+
+
+def cas_key(workspace_id: str, digest: str) -> str:
+    if len(digest) != 64 or any(ch not in "0123456789abcdef" for ch in digest):
+        raise CorruptSnapshot(f"not a SHA-256 digest: {digest[:80]!r}")
+    return f"{workspace_prefix(workspace_id)}/cas/{digest[:2]}/{digest}"
+
+
+def manifest_key(workspace_id: str, kernel_id: str) -> str:
+    return f"{workspace_prefix(workspace_id)}/snapshots/{kernel_id}/{secrets.token_hex(8)}.json"
+
+
+def sha256_file(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _referenced(manifest: dict[str, Any]) -> list[str]:
+    blobs = manifest.get("blobs", [])
+    if not isinstance(blobs, list) or not all(isinstance(b, str) for b in blobs):
+        raise CorruptSnapshot("the manifest's blob list is malformed")
+    return list(blobs)
+
+
+def upload_state(store: BlobStore, workspace_id: str, kernel_id: str, state_dir: str) -> Uploaded:
+    """Upload a kernel's flushed state; the manifest goes last."""
+    with open(os.path.join(state_dir, MANIFEST), "rb") as handle:
+        raw = handle.read()
+    blobs = _referenced(json.loads(raw))
+
+    def upload(digest: str) -> tuple[int, int]:
+        local = os.path.join(state_dir, "blobs", digest)
+        size = os.path.getsize(local)
+        key = cas_key(workspace_id, digest)
+        if store.exists(key):
+            return size, 0
+        store.put_file(key, local)
+        return size, size
+
+    with ThreadPoolExecutor(_PARALLEL) as pool:
+        sizes = list(pool.map(upload, blobs))
+    key = manifest_key(workspace_id, kernel_id)
+    store.put(key, raw)
+    return Uploaded(key, len(raw) + sum(s for s, _ in sizes), len(raw) + sum(w for _, w in sizes))
+
+
+def download_state(store: BlobStore, workspace_id: str, key: str, state_dir: str) -> int:
+    """Fetch a snapshot into ``state_dir`` and verify it; returns its size in bytes."""
+    if not key.startswith(f"{workspace_prefix(workspace_id)}/snapshots/"):
+        raise CorruptSnapshot(f"snapshot key {key!r} is not this workspace's")
+    try:
+        raw = store.get(key)
+        manifest = json.loads(raw)
+    except NotFound as exc:
+        raise CorruptSnapshot(f"the manifest is missing: {key}") from exc
+    except ValueError as exc:
+        raise CorruptSnapshot(f"the manifest is not valid JSON: {exc}") from exc
+    if not isinstance(manifest, dict):
+        raise CorruptSnapshot("the manifest is not a JSON object")
+    blobs = _referenced(manifest)
+    os.makedirs(os.path.join(state_dir, "blobs"), exist_ok=True)
+
+    def fetch(digest: str) -> int:
+        local = os.path.join(state_dir, "blobs", digest)
+        try:
+            store.get_file(cas_key(workspace_id, digest), local)
+        except NotFound as exc:
+            raise CorruptSnapshot(f"blob {digest[:12]} is missing") from exc
+        if sha256_file(local) != digest:
+            raise CorruptSnapshot(f"blob {digest[:12]} does not match its hash")
+        return os.path.getsize(local)
+
+    with ThreadPoolExecutor(_PARALLEL) as pool:
+        total = sum(pool.map(fetch, blobs))
+    with open(os.path.join(state_dir, MANIFEST), "wb") as handle:
+        handle.write(raw)
+    return total + len(raw)
+
+
+# ---------------------------------------------------------------- package layers
+def _layer_members(root: str) -> list[str]:
+    members: list[str] = []
+    for base, dirs, names in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        members += [os.path.join(base, n) for n in sorted(names) if not n.endswith(".pyc")]
+    return members
+
+
+def pack_layer(root: str) -> bytes | None:
+    """A deterministic tar of a package directory: same files, same bytes, same key.
+
+    Bytecode caches are left out (they are rebuilt) and times are zeroed, so an
+    unchanged layer hashes the same and is never stored twice.
+    """
+    if not os.path.isdir(root):
+        return None
+    members = _layer_members(root)
+    if not members:
+        return None
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for path in members:
+            if os.path.islink(path):
+                continue  # a layer holds files, never links out of itself
+            info = tar.gettarinfo(path, arcname=os.path.relpath(path, root))
+            info.mtime = 0
+            info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            info.mode = 0o755 if info.mode & 0o111 else 0o644
+            with open(path, "rb") as handle:
+                tar.addfile(info, handle)
+    return buffer.getvalue()
+
+
+def store_layer(store: BlobStore, workspace_id: str, root: str) -> str | None:
+    """Store the layer content-addressed; returns its key (None for an empty layer)."""
+    data = pack_layer(root)
+    if data is None:
+        return None
+    key = cas_key(workspace_id, hashlib.sha256(data).hexdigest())
+    if not store.exists(key):
+        store.put(key, data)
+    return key
+
+
+def restore_layer(store: BlobStore, workspace_id: str, key: str, root: str) -> None:
+    """Unpack a stored layer into ``root`` (which must be empty); no pip is run."""
+    if not key.startswith(f"{workspace_prefix(workspace_id)}/cas/"):
+        raise CorruptSnapshot(f"layer key {key!r} is not this workspace's")
+    try:
+        data = store.get(key)
+    except NotFound as exc:
+        raise CorruptSnapshot(f"the package layer is missing: {key}") from exc
+    if hashlib.sha256(data).hexdigest() != key.rsplit("/", 1)[-1]:
+        raise CorruptSnapshot("the package layer does not match its hash")
+    os.makedirs(root, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        tar.extractall(root, filter="data")  # refuses links and paths that escape
+
+
+def clear_dir(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path, exist_ok=True)
