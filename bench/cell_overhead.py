@@ -16,134 +16,31 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
-import os
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
 from jupyter_client.asynchronous.client import AsyncKernelClient
-from jupyter_client.manager import AsyncKernelManager
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from harness import direct_kernel, emit, gateway_kernel, nbfleet_up, p95, stderr
 from nbfleet.sdk.kernel_socket import KernelSocket
 
 BENCH = "cell_overhead"
 CELL = "x=1"
 REPLY_TIMEOUT_S = 30.0
-START_TIMEOUT_S = 120.0
 TARGET_ADDED_MEDIAN_MS = 3.0
 
 #: One cell's round trip, in seconds: execute_request sent -> its execute_reply read.
 RoundTrip = Callable[[], Awaitable[float]]
 
-stderr = Console(stderr=True)
-
 
 # ------------------------------------------------------------------ nbfleet side
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@contextlib.contextmanager
-def nbfleet_up(home: Path) -> Iterator[str]:
-    """A whole platform in one subprocess (its own home and port); yields its URL.
-
-    Stopped with SIGTERM, which shuts its kernels down too (they run in sessions of
-    their own, so killing the process group would orphan them).
-    """
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = home / "nbfleet-up.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NBFLEET_")}
-    env["NBFLEET_HOME"] = str(home)
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "nbfleet.cli.main", "up", "--port", str(port)],
-            stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-        )
-    try:
-        try:
-            _wait_healthy(proc, url)
-        except BaseException:
-            stderr.print(f"nbfleet up log ({log}):\n{_tail(log)}", markup=False)
-            raise
-        yield url
-    finally:
-        _stop(proc)
-
-
-def _wait_healthy(proc: subprocess.Popen[bytes], url: str) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while not _healthy(url):
-        if proc.poll() is not None:
-            raise RuntimeError(f"nbfleet up exited with {proc.returncode}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"nbfleet up did not answer on {url}")
-        time.sleep(0.1)
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/healthz", timeout=2.0).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def _tail(path: Path, chars: int = 4000) -> str:
-    return path.read_text(errors="replace")[-chars:] if path.exists() else "(empty)"
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-
-
-async def gateway_kernel(url: str, home: Path) -> tuple[KernelSocket, str]:
-    """A user, a running workspace and a kernel in it; returns its socket and kernel id."""
-    admin_token = (home / "admin-token").read_text().strip()
-    async with httpx.AsyncClient(base_url=url, timeout=60.0) as http:
-        user = await http.post("/v1/admin/users",
-                               headers={"Authorization": f"Bearer {admin_token}"},
-                               json={"name": "bench", "org": "bench", "project": "bench"})
-        user.raise_for_status()
-        token: str = user.json()["token"]
-        http.headers["Authorization"] = f"Bearer {token}"
-        created = await http.post("/v1/workspaces", json={"name": "bench"})
-        created.raise_for_status()
-        workspace = created.json()["id"]
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while (state := (await http.get(f"/v1/workspaces/{workspace}")).json()["state"]) \
-                != "running":
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"workspace {workspace} stuck in {state}")
-            await asyncio.sleep(0.1)
-        started = await http.post(f"/v1/workspaces/{workspace}/api/kernels",
-                                  json={"name": "python3"})
-        started.raise_for_status()
-        kernel_id: str = started.json()["id"]
-    ws_url = (url.replace("http", "ws", 1)
-              + f"/v1/workspaces/{workspace}/api/kernels/{kernel_id}/channels")
-    return await KernelSocket.connect(ws_url, token), kernel_id
-
-
 def gateway_round_trip(sock: KernelSocket) -> RoundTrip:
     async def one() -> float:
         request = sock.message("execute_request", {
@@ -161,23 +58,6 @@ def gateway_round_trip(sock: KernelSocket) -> RoundTrip:
 
 
 # ------------------------------------------------------------------- direct side
-@contextlib.asynccontextmanager
-async def direct_kernel(workdir: Path) -> AsyncIterator[AsyncKernelClient]:
-    """The baseline: ipykernel over IPC sockets, as nbfleet's agent runs its kernels."""
-    manager = AsyncKernelManager(kernel_name="python3", transport="ipc",
-                                 ip=str(workdir / "k"),
-                                 connection_file=str(workdir / "kernel.json"))
-    await manager.start_kernel(cwd=str(workdir))
-    client = manager.client()
-    try:
-        client.start_channels()
-        await client.wait_for_ready(timeout=START_TIMEOUT_S)
-        yield client
-    finally:
-        client.stop_channels()
-        await manager.shutdown_kernel(now=True)
-
-
 def direct_round_trip(client: AsyncKernelClient) -> RoundTrip:
     async def one() -> float:
         start = time.perf_counter()
@@ -217,10 +97,6 @@ async def measure(sides: dict[str, RoundTrip], cells: int, blocks: int,
     return samples
 
 
-def p95(values: list[float]) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[94]
-
-
 def figures(direct: list[float], gateway: list[float]) -> dict[str, float]:
     ms = 1000.0
     d_med, d_p95 = statistics.median(direct) * ms, p95(direct) * ms
@@ -238,8 +114,7 @@ def figures(direct: list[float], gateway: list[float]) -> dict[str, float]:
 
 def report(result: dict[str, float], cells: int, blocks: int) -> None:
     for name, value in result.items():
-        print(json.dumps({"bench": BENCH, "figure": name, "value": round(value, 3)},
-                         separators=(",", ":")), flush=True)
+        emit(BENCH, name, value)
     verdict = "met" if result["added_median_ms"] <= TARGET_ADDED_MEDIAN_MS else "NOT met"
     print(
         f"{BENCH}: {cells} cells per side in {blocks} alternating blocks | "

@@ -35,12 +35,13 @@ def fresh_database(directory: Path) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def running_cluster(root: Path) -> Iterator[Cluster]:
+def running_cluster(root: Path, control_args: tuple[str, ...] = (), warm_pool: int = 0,
+                    agent_env: dict[str, str] | None = None) -> Iterator[Cluster]:
     with fresh_database(root) as url:
         cluster = Cluster(root, url)
         try:
-            cluster.start_control()
-            cluster.start_agent()
+            cluster.start_control(args=control_args)
+            cluster.start_agent(env=agent_env, warm_pool=warm_pool)
             yield cluster
         finally:
             cluster.stop()

@@ -16,11 +16,16 @@ from collections.abc import Iterable
 from pathlib import Path
 
 INLINE_LIMIT = 64 * 1024
+_CHUNK = 16 * 1024 * 1024
 
 Ref = dict[str, str]
 """``{"inline": base64}`` or ``{"blob": sha256hex}``."""
 
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+class ChangedWhileStoring(RuntimeError):
+    """The bytes changed between hashing and writing (another thread mutated them)."""
 
 
 class BlobStore:
@@ -39,12 +44,25 @@ class BlobStore:
         sha = hashlib.sha256(data).hexdigest()  # releases the GIL on big inputs
         target = self.path(sha)
         if not target.exists():
-            self.directory.mkdir(parents=True, exist_ok=True)
-            tmp = self.directory / f".{sha}.{os.getpid()}.{threading.get_ident()}.tmp"
-            with open(tmp, "wb") as out:
-                out.write(data)
-            os.replace(tmp, target)
+            self._write(target, sha, data)
         return {"blob": sha}
+
+    def _write(self, target: Path, sha: str, data: memoryview) -> None:
+        """Write and re-hash in one pass: a blob's content always matches its name,
+        even if the memory changed since it was hashed (then nothing is kept)."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        tmp = self.directory / f".{sha}.{os.getpid()}.{threading.get_ident()}.tmp"
+        data = data.cast("B")
+        check = hashlib.sha256()
+        with open(tmp, "wb") as out:
+            for start in range(0, data.nbytes, _CHUNK):
+                part = data[start:start + _CHUNK]
+                check.update(part)
+                out.write(part)
+        if check.hexdigest() != sha:
+            tmp.unlink()
+            raise ChangedWhileStoring(f"content of blob {sha[:12]} changed while stored")
+        os.replace(tmp, target)
 
     def read(self, sha: str) -> bytearray:
         """A fresh, writable copy of a blob (numpy arrays restored on it stay writable)."""

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from nbfleet.kernel import cellscan, codec
-from nbfleet.kernel.blobs import BlobStore
+from nbfleet.kernel.blobs import BlobStore, ChangedWhileStoring
 from nbfleet.kernel.recipes import CellRecord, RecipeBook, can_change_in_place
 
 log = logging.getLogger("nbfleet.kernel")
@@ -63,7 +63,7 @@ class Capture:
         self._epoch = 0
         self._mark = 0
         self._dirty: dict[str, int] = {}  # name -> mark of the cell that dirtied it
-        self._before: dict[str, int] | None = None
+        self._before: list[dict[str, int]] = []  # a stack: cells can run cells
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._worker = threading.Thread(target=self._work, name="nbfleet-capture", daemon=True)
 
@@ -107,7 +107,7 @@ class Capture:
     def pre_run_cell(self, info: Any = None) -> None:
         with self._lock:
             self._epoch += 1
-        self._before = self.user_ids()
+        self._before.append(self.user_ids())
 
     def post_run_cell(self, result: Any) -> None:
         started = time.perf_counter()
@@ -123,16 +123,17 @@ class Capture:
         if source is None:
             source = self.shell.transform_cell(info.raw_cell or "")
         after = self.user_ids()
-        before, self._before = self._before or {}, None
+        before = self._before.pop() if self._before else {}
         scan = cellscan.scan(source, self.footprints)
 
         changed = {name for name, ident in after.items() if before.get(name) != ident}
         defined = changed | (scan.defined & after.keys())
         deleted = (before.keys() - after.keys()) | ((scan.deleted | scan.defined) - after.keys())
-        mutated = (scan.mutated & after.keys()) - defined
-        if mutated:  # ``b = a`` earlier: mutating b changed a too
-            ids = {after[name] for name in mutated}
-            mutated |= {name for name, ident in after.items() if ident in ids} - defined
+        touched = scan.mutated & after.keys()
+        if touched:  # ``b = a`` earlier: mutating b changed a too
+            ids = {after[name] for name in touched}
+            touched |= {name for name, ident in after.items() if ident in ids}
+        mutated = touched - defined
         success = bool(result.success)
 
         self._track_imports(scan, success, after)
@@ -144,10 +145,10 @@ class Capture:
         if defined or mutated:
             cell = CellRecord(
                 source, success, scan.uses_magic,
-                frozenset(n for n in mutated if can_change_in_place(ns[n])),
+                frozenset(n for n in touched if can_change_in_place(ns[n])),
                 scan.loaded | scan.mutated,
             )
-            rebuilt = defined & scan.loaded
+            rebuilt = defined & scan.loaded & before.keys()  # ``x = x + 1``
             self.recipes.record(cell, defined - rebuilt, rebuilt, mutated)
         for name in deleted:
             self.recipes.forget(name)
@@ -200,7 +201,10 @@ class Capture:
                     return  # a cell is running: its end will resubmit what is dirty
                 if self._dirty.get(name) != mark:
                     continue
-            record = self.encode(value)
+            try:
+                record = self.encode(value)
+            except ChangedWhileStoring:
+                return  # mutated under us: only possible if a cell is running
             with self._lock:
                 if self._epoch != job.epoch:
                     return  # the value may have changed while we pickled it
@@ -230,7 +234,10 @@ class Capture:
                 or self.records[name].obj_id != ident  # rebound where no hook could see
             ]
         for name in todo:
-            record = self.encode(ns[name])
+            try:
+                record = self.encode(ns[name])
+            except ChangedWhileStoring:  # a user thread is writing to it: try once more
+                record = self.encode(ns[name])
             with self._lock:
                 self.records[name] = record
                 self._dirty.pop(name, None)

@@ -13,8 +13,10 @@ import ast
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-_COMPREHENSIONS = (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
-_FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)
+from nbfleet.kernel.names import bound_by_import, free_names, import_bindings
+
+__all__ = ["CellScan", "bound_by_import", "import_bindings", "scan"]
+
 
 
 @dataclass(frozen=True)
@@ -54,25 +56,6 @@ def scan(source: str, footprints: Mapping[str, frozenset[str]]) -> CellScan:
         functions=functions,
         uses_magic=_calls_get_ipython(tree),
     )
-
-
-def bound_by_import(stmt: ast.Import | ast.ImportFrom) -> list[str]:
-    """Names an import statement binds (``import a.b`` binds ``a``; ``*`` binds none we know)."""
-    names = []
-    for alias in stmt.names:
-        if alias.name == "*":
-            continue
-        names.append(alias.asname or alias.name.split(".")[0])
-    return names
-
-
-def import_bindings(statement: str) -> list[str]:
-    """``bound_by_import`` for an unparsed import statement (empty if it is not one)."""
-    try:
-        node = ast.parse(statement).body[0]
-    except (SyntaxError, IndexError):
-        return []
-    return bound_by_import(node) if isinstance(node, ast.Import | ast.ImportFrom) else []
 
 
 def _root(node: ast.expr) -> str | None:
@@ -243,7 +226,7 @@ class _ModuleScope(ast.NodeVisitor):
             if default is not None:
                 self.visit(default)
         self.defined.add(node.name)
-        self.functions[node.name] = frozenset(_free_names(node))
+        self.functions[node.name] = frozenset(free_names(node))
 
     visit_AsyncFunctionDef = visit_FunctionDef
 
@@ -251,7 +234,7 @@ class _ModuleScope(ast.NodeVisitor):
         for default in [*node.args.defaults, *node.args.kw_defaults]:
             if default is not None:
                 self.visit(default)
-        self.loaded |= _free_names(node)
+        self.loaded |= free_names(node)
 
     def visit_ClassDef(self, node: ast.ClassDef) -> None:
         for expr in [*node.decorator_list, *node.bases, *(kw.value for kw in node.keywords)]:
@@ -299,50 +282,3 @@ class _ModuleScope(ast.NodeVisitor):
     visit_SetComp = _visit_comprehension
     visit_DictComp = _visit_comprehension
     visit_GeneratorExp = _visit_comprehension
-
-
-_ScopeNode = ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda | ast.ClassDef
-
-
-def _free_names(scope: _ScopeNode) -> set[str]:
-    """Global names a function (or lambda) body may read or write when it runs.
-
-    Over-approximates: any name not bound locally is treated as global, and
-    names declared ``global`` count even if only assigned.
-    """
-    bound: set[str] = set()
-    if not isinstance(scope, ast.ClassDef):
-        args = scope.args
-        for arg in [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg]:
-            if arg is not None:
-                bound.add(arg.arg)
-    body: list[ast.AST] = [scope.body] if isinstance(scope, ast.Lambda) else list(scope.body)
-    used: set[str] = set()
-    declared_global: set[str] = set()
-    nested: list[_ScopeNode] = []
-    todo = list(body)
-    while todo:
-        node = todo.pop()
-        if isinstance(node, ast.Global | ast.Nonlocal):
-            declared_global.update(node.names)
-        elif isinstance(node, ast.Name):
-            used.add(node.id)
-            if not isinstance(node.ctx, ast.Load):
-                bound.add(node.id)
-        elif isinstance(node, ast.Import | ast.ImportFrom):
-            bound.update(bound_by_import(node))
-        elif isinstance(node, (*_FUNCTIONS, ast.ClassDef)):
-            bound.add(node.name)
-            nested.append(node)
-            todo.extend(node.decorator_list)
-            continue
-        elif isinstance(node, ast.Lambda):
-            nested.append(node)
-            continue
-        elif isinstance(node, ast.ExceptHandler) and node.name:
-            bound.add(node.name)
-        todo.extend(ast.iter_child_nodes(node))
-    free = (used - bound) | declared_global
-    for child in nested:
-        free |= _free_names(child) - (bound - declared_global)
-    return free

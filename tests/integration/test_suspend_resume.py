@@ -1,0 +1,358 @@
+"""Suspend and resume with files, packages and variables, through real processes.
+
+Each cluster here is a real control plane, a real agent and real ipykernels in the
+sandbox. The typical workspace of issue 4 is built cell by cell, suspended and
+resumed, on the warm-pool path and on the cold path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from nbfleet.sdk.kernel_socket import KernelSocket
+from tests.conftest import running_cluster
+from tests.support.cluster import (
+    Cluster,
+    create_running,
+    outcome,
+    run_cell,
+    start_kernel,
+    token_of,
+    wait_state,
+    wait_until,
+)
+from tests.support.wheels import build_wheel
+
+#: Cells that build the typical workspace (arrays smaller than the benchmark's 50 MB).
+SETUP = [
+    "%pip install --no-index --quiet ./nbf_demo-0.1-py3-none-any.whl",
+    "import numpy as np\nimport pandas as pd\nimport threading, socket\nimport nbf_demo",
+    "rng = np.random.default_rng(7)\narr = rng.random(1_000_000)",  # 8 MB
+    "df = pd.DataFrame({'a': np.arange(200_000), 'b': rng.random(200_000),\n"
+    "                   'c': [f's{i % 97}' for i in range(200_000)]})",
+    "d = {'k': [1, 2, {'x': 3}]}\nitems = list(range(50))\nn, ratio, name = 7, 2.5, 'nb'",
+    "def square(x):\n    return x * x",
+    "class Point:\n    def __init__(self, x, y):\n        self.x, self.y = x, y\n"
+    "    def norm2(self):\n        return self.x ** 2 + self.y ** 2\np = Point(3, 4)",
+    "arr[:10] += 1\nd['k'].append(4)",  # mutations after definition
+    "fh = open('data.txt')\nfirst = fh.readline()",  # unpicklable, recomputable
+    "lock = threading.Lock()",
+    "log = []\nsock = socket.socket()\nlog.append('opened')",  # unpicklable, mutates log: lost
+    "open('out.bin', 'wb').write(bytes(range(256)) * 1000)",
+]
+
+FINGERPRINT = (
+    "import hashlib\n"
+    "print(hashlib.sha256(arr.tobytes()).hexdigest(),"
+    " hashlib.sha256(pd.util.hash_pandas_object(df).values.tobytes()).hexdigest(),"
+    " repr((d, items, n, ratio, name, first, log)), square(12), p.norm2(),"
+    " type(p).__name__, nbf_demo.VALUE, nbf_demo.__file__.split('/')[-3])"
+)
+
+
+def agent_kernels(cluster: Cluster) -> list[dict[str, Any]]:
+    agent = cluster.admin().get("/v1/admin/agents").json()["items"][0]
+    secret = (cluster.home / "cluster-secret").read_text().strip()
+    response = httpx.get(f"{agent['url']}/agent/v1/kernels",
+                         headers={"Authorization": f"Bearer {secret}"})
+    response.raise_for_status()
+    result: list[dict[str, Any]] = response.json()
+    return result
+
+
+def iopub_on_attach(cluster: Cluster, client: httpx.Client, ws: str, kernel: str) -> str:
+    """The text the agent left on the kernel's iopub stream for the next client."""
+
+    async def read() -> str:
+        sock = await KernelSocket.connect(cluster.channels_url(ws, kernel), token_of(client))
+        text = ""
+        try:
+            while True:
+                msg = await sock.receive(timeout=2.0)
+                if msg.get("msg_type") == "stream":
+                    text += msg["content"]["text"]
+        except TimeoutError:
+            return text
+        finally:
+            await sock.close()
+
+    return asyncio.run(read())
+
+
+def suspend(client: httpx.Client, ws: str) -> dict[str, Any]:
+    response = client.post(f"/v1/workspaces/{ws}/suspend", params={"wait": 120})
+    assert response.status_code == 200, response.text
+    body: dict[str, Any] = response.json()
+    return body
+
+
+def resume(client: httpx.Client, ws: str) -> dict[str, Any]:
+    response = client.post(f"/v1/workspaces/{ws}/resume", params={"wait": 120})
+    assert response.status_code == 200, response.text
+    body: dict[str, Any] = response.json()
+    assert body["state"] == "running", body
+    return body
+
+
+def typical_workspace(cluster: Cluster, tmp_path: Path) -> tuple[httpx.Client, str, str]:
+    client = cluster.new_user()
+    ws = create_running(client)
+    wheel = build_wheel(tmp_path, "nbf_demo", "0.1", "VALUE = 'demo-42'\n")
+    assert client.put(f"/v1/workspaces/{ws}/files/{wheel.name}",
+                      content=wheel.read_bytes()).status_code in (200, 201)
+    assert client.put(f"/v1/workspaces/{ws}/files/data.txt",
+                      content=b"line one\nline two\n").status_code in (200, 201)
+    kernel = start_kernel(client, ws)
+    for cell in SETUP:
+        result = run_cell(cluster, client, ws, kernel, cell)
+        assert result.status == "ok", (cell, result.reply, result.outputs)
+    return client, ws, kernel
+
+
+def check_round_trip(cluster: Cluster, tmp_path: Path, path: str) -> None:
+    client, ws, kernel = typical_workspace(cluster, tmp_path)
+    before = outcome(run_cell(cluster, client, ws, kernel, FINGERPRINT))
+    assert "demo-42 packages" in before, before  # imported from the workspace's layer
+
+    suspended = suspend(client, ws)
+    assert suspended["state"] == "suspended" and suspended["host_id"] is None
+    assert suspended["snapshot"]["bytes"] > 8_000_000 and suspended["snapshot"]["packages"]
+    assert not [k for k in agent_kernels(cluster) if k["workspace_id"] == ws]
+    files = {name: client.get(f"/v1/workspaces/{ws}/files/{name}").content
+             for name in ("out.bin", "data.txt")}
+    assert files["out.bin"] == bytes(range(256)) * 1000
+
+    body = resume(client, ws)
+    report = body["restore"]["kernels"][kernel]
+    assert report["path"] == path and not report["files_only"]
+    assert {"arr", "df", "d", "items", "n", "ratio", "name", "square", "Point", "p",
+            "first", "log"} <= set(report["restored"])
+    assert sorted(report["recomputed"]) == ["fh", "lock"]
+    assert [(lost["name"], lost["type"]) for lost in report["lost"]] == [
+        ("sock", "socket.socket")]
+    assert body["restore"]["packages"] == {"restored": True}
+    told = iopub_on_attach(cluster, client, ws, kernel)
+    assert "[nbfleet] Resumed: restored" in told and "recomputed fh, lock" in told
+    assert "Not restored: sock (socket.socket)" in told
+
+    after = outcome(run_cell(cluster, client, ws, kernel, FINGERPRINT))
+    assert after == before  # every value equal, the function, the class and the package work
+    checks = outcome(run_cell(cluster, client, ws, kernel, (
+        "print(fh.readline().strip(), lock.acquire(blocking=False), 'sock' in globals(),"
+        " Point(1, 1).norm2(), hashlib.sha256(open('out.bin','rb').read()).hexdigest())")))
+    digest = hashlib.sha256(files["out.bin"]).hexdigest()
+    assert checks == f"line two True False 2 {digest}\n"  # recomputed: the file is re-read
+    for name, data in files.items():  # the files are byte-identical after the round trip
+        assert client.get(f"/v1/workspaces/{ws}/files/{name}").content == data
+
+
+# ------------------------------------------------------------------ warm cluster
+@pytest.fixture(scope="module")
+def warm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with running_cluster(tmp_path_factory.mktemp("warm"), warm_pool=1) as cluster:
+        yield cluster
+
+
+def wait_pool_full(cluster: Cluster) -> None:
+    def full() -> bool:
+        agent = cluster.admin().get("/v1/admin/agents").json()["items"][0]
+        secret = (cluster.home / "cluster-secret").read_text().strip()
+        text = httpx.get(f"{agent['url']}/agent/v1/metrics",
+                         headers={"Authorization": f"Bearer {secret}"}).text
+        return "nbfleet_agent_warm_pool_size 1.0" in text
+
+    wait_until(full, 90, 0.2, "a full warm pool")
+
+
+def test_typical_workspace_round_trip_from_the_warm_pool(warm_cluster: Cluster,
+                                                         tmp_path: Path) -> None:
+    wait_pool_full(warm_cluster)
+    check_round_trip(warm_cluster, tmp_path, "warm")
+
+
+def test_resume_requested_twice_gives_one_runtime(warm_cluster: Cluster) -> None:
+    client = warm_cluster.new_user()
+    ws = create_running(client)
+    kernel = start_kernel(client, ws)
+    assert outcome(run_cell(warm_cluster, client, ws, kernel, "x = 41")) == ""
+    suspend(client, ws)
+    statuses: list[int] = []
+
+    def ask(key: str) -> None:
+        response = client.post(f"/v1/workspaces/{ws}/resume", params={"wait": 120},
+                               headers={"Idempotency-Key": key})
+        statuses.append(response.status_code)
+
+    threads = [threading.Thread(target=ask, args=(f"k{i}",)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert statuses == [200] * 4
+    mine = [k for k in agent_kernels(warm_cluster) if k["workspace_id"] == ws]
+    assert [k["id"] for k in mine] == [kernel]
+    assert outcome(run_cell(warm_cluster, client, ws, kernel, "print(x + 1)")) == "42\n"
+
+
+# ------------------------------------------------------------------ cold cluster
+@pytest.fixture(scope="module")
+def cold_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    args = ("--suspend-busy-timeout", "2", "--cull-interval", "0.5", "--idle-suspend", "0")
+    with running_cluster(tmp_path_factory.mktemp("cold"), control_args=args) as cluster:
+        yield cluster
+
+
+def test_typical_workspace_round_trip_cold(cold_cluster: Cluster, tmp_path: Path) -> None:
+    check_round_trip(cold_cluster, tmp_path, "cold")
+
+
+def snapshot_keys(cluster: Cluster, ws: str) -> list[Path]:
+    return sorted((cluster.home / "blobs" / "workspaces" / ws / "snapshots").rglob("*.json"))
+
+
+def test_a_corrupt_snapshot_resumes_with_files_only(cold_cluster: Cluster) -> None:
+    client = cold_cluster.new_user()
+    ws = create_running(client)
+    kernel = start_kernel(client, ws)
+    run_cell(cold_cluster, client, ws, kernel, "big = bytes(200_000)\nopen('f.txt','w').write('f')")
+    suspend(client, ws)
+    for manifest in snapshot_keys(cold_cluster, ws):
+        manifest.write_bytes(b'{"format": 1, "blobs": ["' + b"0" * 64 + b'"]}')
+
+    report = resume(client, ws)["restore"]["kernels"][kernel]
+    assert report["files_only"] and "corrupt snapshot" in report["error"]
+    assert "files only" in iopub_on_attach(cold_cluster, client, ws, kernel)
+    assert outcome(run_cell(cold_cluster, client, ws, kernel,
+                            "print('big' in globals(), open('f.txt').read())")) == "False f\n"
+
+
+def test_a_failing_blob_store_keeps_the_workspace_running(cold_cluster: Cluster) -> None:
+    client = cold_cluster.new_user()
+    ws = create_running(client)
+    kernel = start_kernel(client, ws)
+    run_cell(cold_cluster, client, ws, kernel, "big = bytes(range(256)) * 1000")
+    # A file where the store's content directory should be: every blob write fails.
+    blocker = cold_cluster.home / "blobs" / "workspaces" / ws / "cas"
+    blocker.write_bytes(b"not a directory")
+
+    body = suspend(client, ws)
+    assert body["state"] == "running" and "could not save" in body["last_error"]
+    assert body["desired_state"] == "running" and body["snapshot"] is None
+    assert outcome(run_cell(cold_cluster, client, ws, kernel, "print(len(big))")) == "256000\n"
+
+    blocker.unlink()
+    assert suspend(client, ws)["state"] == "suspended"
+    resume(client, ws)
+    assert outcome(run_cell(cold_cluster, client, ws, kernel, "print(len(big))")) == "256000\n"
+
+
+def test_suspend_waits_for_a_short_cell_and_interrupts_a_long_one(cold_cluster: Cluster) -> None:
+    client = cold_cluster.new_user()
+    ws = create_running(client)
+    kernel = start_kernel(client, ws)
+
+    async def start_cell(code: str) -> None:
+        sock = await KernelSocket.connect(cold_cluster.channels_url(ws, kernel), token_of(client))
+        await sock.send(sock.message("execute_request", {
+            "code": code, "silent": False, "store_history": True, "user_expressions": {},
+            "allow_stdin": False, "stop_on_error": True}, "shell"))
+        await asyncio.sleep(0.5)  # the cell is running when the socket goes away
+        await sock.close()
+
+    asyncio.run(start_cell("import time\ntime.sleep(1.5)\ny = 5"))
+    body = suspend(client, ws)  # waits up to 2 s: the cell finishes first
+    assert body["state"] == "suspended" and body["snapshot"]["notes"] == []
+    resume(client, ws)
+    assert outcome(run_cell(cold_cluster, client, ws, kernel, "print(y)")) == "5\n"
+
+    asyncio.run(start_cell("z = 1\nwhile True:\n    time.sleep(0.1)"))
+    body = suspend(client, ws)  # still running after 2 s: interrupted, then suspended
+    assert body["state"] == "suspended"
+    assert body["snapshot"]["notes"] == ["a running cell was interrupted to suspend"]
+    resume(client, ws)
+    assert outcome(run_cell(cold_cluster, client, ws, kernel, "print(y, z)")) == "5 1\n"
+
+
+def test_idle_workspaces_are_suspended_and_busy_ones_never(cold_cluster: Cluster) -> None:
+    admin = cold_cluster.admin()
+    org, project = "idle-org", "fast-cull"
+    idle_client = cold_cluster.new_user(org=org, project=project)
+    busy_client = cold_cluster.new_user(org=org, project=project)
+    other = cold_cluster.new_user(org=org, project="default-timeout")
+    idle_ws, busy_ws, other_ws = (create_running(c) for c in (idle_client, busy_client, other))
+    idle_kernel = start_kernel(idle_client, idle_ws)
+    busy_kernel = start_kernel(busy_client, busy_ws)
+    run_cell(cold_cluster, idle_client, idle_ws, idle_kernel, "a = 1")
+
+    async def silent_busy() -> None:
+        sock = await KernelSocket.connect(cold_cluster.channels_url(busy_ws, busy_kernel),
+                                          token_of(busy_client))
+        await sock.send(sock.message("execute_request", {
+            "code": "import time\ntime.sleep(25)", "silent": False, "store_history": True,
+            "user_expressions": {}, "allow_stdin": False, "stop_on_error": True}, "shell"))
+        await asyncio.sleep(0.5)
+        await sock.close()
+
+    asyncio.run(silent_busy())
+    response = admin.put(f"/v1/admin/orgs/{org}/projects/{project}/settings",
+                         json={"idle_suspend_s": 3})
+    assert response.status_code == 200, response.text
+
+    wait_state(idle_client, idle_ws, "suspended", timeout=30)
+    time.sleep(2)  # several more passes: the busy kernel is silent for longer than 3 s
+    # The busy kernel has printed nothing for longer than the timeout, and stays.
+    assert busy_client.get(f"/v1/workspaces/{busy_ws}").json()["state"] == "running"
+    assert other.get(f"/v1/workspaces/{other_ws}").json()["state"] == "running"
+    resume(idle_client, idle_ws)
+    assert outcome(run_cell(cold_cluster, idle_client, idle_ws, idle_kernel, "print(a)")) == "1\n"
+
+
+def test_project_settings_refuse_bad_input_and_unknown_projects(cold_cluster: Cluster) -> None:
+    admin = cold_cluster.admin()
+    cold_cluster.new_user(org="cfg-org", project="p")
+    bad = admin.put("/v1/admin/orgs/cfg-org/projects/p/settings", json={"idle_suspend_s": -1})
+    assert bad.status_code == 422
+    assert bad.headers["content-type"].startswith("application/problem+json")
+    missing = admin.put("/v1/admin/orgs/cfg-org/projects/nope/settings",
+                        json={"idle_suspend_s": 5})
+    assert missing.status_code == 404
+    user = cold_cluster.new_user(org="cfg-org", project="p")
+    assert user.put("/v1/admin/orgs/cfg-org/projects/p/settings",
+                    json={"idle_suspend_s": 5}).status_code == 404
+
+
+# --------------------------------------------------------- kill -9 mid-suspend
+def test_agent_killed_mid_suspend_keeps_the_last_complete_snapshot(tmp_path: Path) -> None:
+    slow = {"NBFLEET_FAULT_RELEASE_DELAY_S": "4"}
+    with running_cluster(tmp_path, agent_env=slow) as cluster:
+        client = cluster.new_user()
+        ws = create_running(client)
+        kernel = start_kernel(client, ws)
+        run_cell(cluster, client, ws, kernel, "x = 'first'\nopen('f.txt','w').write('v1')")
+        suspend(client, ws)  # the last complete snapshot: x == 'first'
+        resume(client, ws)
+        run_cell(cluster, client, ws, kernel, "x = 'second'\nopen('f.txt','w').write('v2')")
+
+        client.post(f"/v1/workspaces/{ws}/suspend")
+        wait_until(lambda: snapshot_count(cluster, ws) == 2, 60, 0.05, "the second upload")
+        cluster.kill_agent()  # uploaded, not yet recorded: mid-suspend
+
+        body = wait_state(client, ws, "suspended", timeout=60)
+        assert len(body["snapshot"]["kernels"]) == 1
+        cluster.start_agent(env=slow)
+        resume(client, ws)
+        assert outcome(run_cell(cluster, client, ws, kernel, "print(x)")) == "first\n"
+
+
+def snapshot_count(cluster: Cluster, ws: str) -> int:
+    return len(snapshot_keys(cluster, ws))
+

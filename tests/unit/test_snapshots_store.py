@@ -1,0 +1,113 @@
+"""Snapshots in the blob store: content-addressed, verified, never half-current."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from nbfleet.storage.blobs import BlobStore
+from nbfleet.storage.snapshots import (
+    CorruptSnapshot,
+    cas_key,
+    download_state,
+    pack_layer,
+    restore_layer,
+    store_layer,
+    upload_state,
+)
+
+WS = "ws_test"
+
+
+def write_state(directory: Path, blobs: dict[str, bytes]) -> list[str]:
+    (directory / "blobs").mkdir(parents=True, exist_ok=True)
+    digests = []
+    for data in blobs.values():
+        digest = hashlib.sha256(data).hexdigest()
+        (directory / "blobs" / digest).write_bytes(data)
+        digests.append(digest)
+    manifest = {"format": 1, "values": {}, "blobs": sorted(digests)}
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+    return digests
+
+
+def test_round_trip_and_unchanged_blobs_are_not_uploaded_twice(tmp_path: Path) -> None:
+    store = BlobStore(str(tmp_path / "store"))
+    kernel_dir = tmp_path / "k1"
+    big, small = os.urandom(300_000), b"x" * 10
+    write_state(kernel_dir, {"big": big, "small": small})
+    first = upload_state(store, WS, "k1", str(kernel_dir))
+    assert first.bytes_written == first.bytes_total > 300_000
+
+    second = upload_state(store, WS, "k1", str(kernel_dir))
+    assert second.key != first.key  # a fresh key: the old snapshot stays valid
+    assert second.bytes_written == len((kernel_dir / "manifest.json").read_bytes())
+
+    target = tmp_path / "restore"
+    size = download_state(store, WS, second.key, str(target))
+    assert size == second.bytes_total
+    assert (target / "blobs" / hashlib.sha256(big).hexdigest()).read_bytes() == big
+    assert (target / "manifest.json").read_bytes() == (kernel_dir / "manifest.json").read_bytes()
+
+
+def test_a_corrupt_blob_a_missing_blob_or_bad_json_is_refused(tmp_path: Path) -> None:
+    store = BlobStore(str(tmp_path / "store"))
+    kernel_dir = tmp_path / "k1"
+    digest = write_state(kernel_dir, {"v": b"value" * 100})[0]
+    key = upload_state(store, WS, "k1", str(kernel_dir)).key
+
+    store.put(cas_key(WS, digest), b"tampered")
+    with pytest.raises(CorruptSnapshot, match="does not match its hash"):
+        download_state(store, WS, key, str(tmp_path / "a"))
+    store.delete(cas_key(WS, digest))
+    with pytest.raises(CorruptSnapshot, match="missing"):
+        download_state(store, WS, key, str(tmp_path / "b"))
+    store.put(key, b"{not json")
+    with pytest.raises(CorruptSnapshot, match="not valid JSON"):
+        download_state(store, WS, key, str(tmp_path / "c"))
+    store.put(key, json.dumps({"blobs": ["../../etc/passwd"]}).encode())
+    with pytest.raises(CorruptSnapshot, match="SHA-256"):
+        download_state(store, WS, key, str(tmp_path / "d"))
+    assert not (tmp_path / "d" / "manifest.json").exists()
+
+
+def test_another_workspaces_snapshot_key_is_refused(tmp_path: Path) -> None:
+    store = BlobStore(str(tmp_path / "store"))
+    kernel_dir = tmp_path / "k1"
+    write_state(kernel_dir, {"v": b"1"})
+    key = upload_state(store, "ws_other", "k1", str(kernel_dir)).key
+    with pytest.raises(CorruptSnapshot, match="not this workspace's"):
+        download_state(store, WS, key, str(tmp_path / "x"))
+
+
+def make_layer(root: Path) -> None:
+    (root / "pkg" / "__pycache__").mkdir(parents=True)
+    (root / "pkg" / "__init__.py").write_text("VALUE = 42\n")
+    (root / "pkg" / "__pycache__" / "x.cpython-311.pyc").write_bytes(b"cache")
+    (root / "pkg-1.0.dist-info").mkdir()
+    (root / "pkg-1.0.dist-info" / "METADATA").write_text("Name: pkg\n")
+
+
+def test_layers_are_deterministic_skip_caches_and_round_trip(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    make_layer(a)
+    make_layer(b)
+    os.utime(b / "pkg" / "__init__.py", (1, 1))  # times do not change the layer
+    assert pack_layer(str(a)) == pack_layer(str(b))
+    assert pack_layer(str(tmp_path / "empty")) is None
+
+    store = BlobStore(str(tmp_path / "store"))
+    key = store_layer(store, WS, str(a))
+    assert key is not None and store_layer(store, WS, str(b)) == key
+    target = tmp_path / "restored"
+    restore_layer(store, WS, key, str(target))
+    assert (target / "pkg" / "__init__.py").read_text() == "VALUE = 42\n"
+    assert not (target / "pkg" / "__pycache__").exists()
+
+    store.put(key, b"garbage")
+    with pytest.raises(CorruptSnapshot):
+        restore_layer(store, WS, key, str(tmp_path / "again"))
