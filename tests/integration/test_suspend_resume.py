@@ -119,6 +119,7 @@ def typical_workspace(cluster: Cluster, tmp_path: Path) -> tuple[httpx.Client, s
 
 
 def check_round_trip(cluster: Cluster, tmp_path: Path, path: str) -> None:
+    """Build, suspend and resume the typical workspace; ``path``: warm or cold."""
     client, ws, kernel = typical_workspace(cluster, tmp_path)
     before = outcome(run_cell(cluster, client, ws, kernel, FINGERPRINT))
     assert "demo-42 packages" in before, before  # imported from the workspace's layer
@@ -131,7 +132,15 @@ def check_round_trip(cluster: Cluster, tmp_path: Path, path: str) -> None:
              for name in ("out.bin", "data.txt")}
     assert files["out.bin"] == bytes(range(256)) * 1000
 
+    if path == "warm":
+        wait_pool_full(cluster)  # its kernel became this workspace's first kernel
+        hits = metric(agent_metrics(cluster), 'nbfleet_agent_warm_pool_claims_total{outcome="hit"}')
     body = resume(client, ws)
+    if path == "warm":
+        text = agent_metrics(cluster)
+        assert metric(text, 'nbfleet_agent_warm_pool_claims_total{outcome="hit"}') == hits + 1
+        assert metric(text, "nbfleet_agent_warm_pool_target") == 1.0
+        assert 0 < metric(text, "nbfleet_agent_warm_pool_hit_ratio") <= 1
     report = body["restore"]["kernels"][kernel]
     assert report["path"] == path and not report["files_only"]
     assert {"arr", "df", "d", "items", "n", "ratio", "name", "square", "Point", "p",
@@ -162,20 +171,27 @@ def warm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         yield cluster
 
 
-def wait_pool_full(cluster: Cluster) -> None:
-    def full() -> bool:
-        agent = cluster.admin().get("/v1/admin/agents").json()["items"][0]
-        secret = (cluster.home / "cluster-secret").read_text().strip()
-        text = httpx.get(f"{agent['url']}/agent/v1/metrics",
-                         headers={"Authorization": f"Bearer {secret}"}).text
-        return "nbfleet_agent_warm_pool_size 1.0" in text
+def agent_metrics(cluster: Cluster) -> str:
+    agent = cluster.admin().get("/v1/admin/agents").json()["items"][0]
+    secret = (cluster.home / "cluster-secret").read_text().strip()
+    return httpx.get(f"{agent['url']}/agent/v1/metrics",
+                     headers={"Authorization": f"Bearer {secret}"}).text
 
-    wait_until(full, 90, 0.2, "a full warm pool")
+
+def metric(text: str, name: str) -> float:
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith(name + " ")]
+    assert len(values) == 1, (name, values)
+    return values[0]
+
+
+def wait_pool_full(cluster: Cluster) -> None:
+    wait_until(lambda: metric(agent_metrics(cluster), "nbfleet_agent_warm_pool_size") == 1.0,
+               90, 0.2, "a full warm pool")
 
 
 def test_typical_workspace_round_trip_from_the_warm_pool(warm_cluster: Cluster,
                                                          tmp_path: Path) -> None:
-    wait_pool_full(warm_cluster)
     check_round_trip(warm_cluster, tmp_path, "warm")
 
 
@@ -242,6 +258,7 @@ def test_a_failing_blob_store_keeps_the_workspace_running(cold_cluster: Cluster)
     run_cell(cold_cluster, client, ws, kernel, "big = bytes(range(256)) * 1000")
     # A file where the store's content directory should be: every blob write fails.
     blocker = cold_cluster.home / "blobs" / "workspaces" / ws / "cas"
+    blocker.parent.mkdir(parents=True, exist_ok=True)
     blocker.write_bytes(b"not a directory")
 
     body = suspend(client, ws)

@@ -140,3 +140,17 @@ def test_migrate_upgrade_is_idempotent(db: Database) -> None:
     with db.transaction(write=False) as session:
         versions = session.execute(text("SELECT version_num FROM alembic_version")).all()
     assert len(versions) == 1
+
+
+def test_migrations_produce_exactly_the_declared_tables(db: Database) -> None:
+    """A column added to ``tables.py`` without a migration (or the reverse) fails here."""
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+
+    from nbfleet.db.tables import Base
+
+    upgrade(db.engine)
+    with db.engine.connect() as connection:
+        context = MigrationContext.configure(connection, opts={"compare_type": False})
+        differences = compare_metadata(context, Base.metadata)
+    assert differences == []

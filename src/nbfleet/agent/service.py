@@ -129,6 +129,7 @@ class AgentService:
             files = WorkspaceFiles(BlobStore(body["blobs_url"]))
             # Whatever a previous boot left here belonged to kernels that are gone.
             shutil.rmtree(self.sockets_dir, ignore_errors=True)
+            shutil.rmtree(os.path.join(self.state_dir, "runtimes"), ignore_errors=True)
             os.makedirs(self.sockets_dir, mode=0o700)
             self.runtimes = RuntimeManager(
                 self.state_dir, files, self.sockets_dir,

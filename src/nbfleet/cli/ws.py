@@ -9,7 +9,7 @@ from typing import Any
 import typer
 from rich.table import Table
 
-from nbfleet.cli.client import TOKEN_OPT, URL_OPT, Api, out, print_json
+from nbfleet.cli.client import TOKEN_OPT, URL_OPT, Api, err, out, print_json
 
 app = typer.Typer(help="Create, suspend, resume and delete workspaces; manage their files.",
                   no_args_is_help=True)
@@ -21,16 +21,37 @@ def _settled(body: dict[str, Any]) -> bool:
     return bool(body["state"] == body["desired_state"] or body["state"] == "failed")
 
 
+#: How long one request may wait on the server before the CLI polls instead.
+SERVER_WAIT_S = 50  # under the client's 60 s timeout
+
+
 def _change(api: Api, workspace_id: str, verb: str, wait: bool) -> None:
+    headers = {"Idempotency-Key": str(uuid.uuid4())}
     if verb == "delete":
-        body = api.json("DELETE", f"/v1/workspaces/{workspace_id}",
-                        headers={"Idempotency-Key": str(uuid.uuid4())})
+        body = api.json("DELETE", f"/v1/workspaces/{workspace_id}", headers=headers)
     else:
-        body = api.json("POST", f"/v1/workspaces/{workspace_id}/{verb}",
-                        headers={"Idempotency-Key": str(uuid.uuid4())})
-    if wait:
+        params = {"wait": SERVER_WAIT_S} if wait else {}
+        body = api.json("POST", f"/v1/workspaces/{workspace_id}/{verb}", headers=headers,
+                        params=params)
+    if wait and not _settled(body):
         body = api.wait_for(f"/v1/workspaces/{workspace_id}", _settled)
     print_json(body)
+    if wait and verb == "resume":
+        _tell_restored(body)
+
+
+def _tell_restored(body: dict[str, Any]) -> None:
+    """One line per kernel on stderr: what came back and what did not."""
+    for kernel_id, report in ((body.get("restore") or {}).get("kernels") or {}).items():
+        if report.get("files_only"):
+            err.print(f"kernel {kernel_id}: files only ({report.get('error')})")
+            continue
+        lost = ", ".join(f"{x['name']} ({x['type']})" for x in report.get("lost", []))
+        err.print(f"kernel {kernel_id} ({report.get('path')} start): restored "
+                  f"{len(report.get('restored', []))} variables"
+                  + (f", recomputed {', '.join(report['recomputed'])}"
+                     if report.get("recomputed") else "")
+                  + (f"; not restored: {lost}" if lost else ""))
 
 
 @app.command("create")
