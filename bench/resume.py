@@ -57,8 +57,11 @@ SETUP = [
     "class Model:\n    def __init__(self, w):\n        self.w = w\n"
     "    def predict(self, v):\n        return self.w * v\nmodel = Model(3.0)",
 ]
-CHECK = ("print(round(float(arr.sum()), 6), len(df), config['name'], len(history), epoch,"
-         " scale(2), model.predict(2), nbf_demo.VALUE)")
+CHECK = ("print(round(float(arr.sum()), 6), len(df), config['name'], scale(2),"
+         " model.predict(2), nbf_demo.VALUE)")
+#: Run before each suspend: the user did a little work, the big values did not change.
+WORK = "epoch += 1\nhistory.append(loss)"
+PROGRESS = "print(epoch, len(history))"
 
 
 async def run_cell(sock: KernelSocket, code: str, timeout: float = 300.0) -> str:
@@ -108,12 +111,17 @@ async def cycles(path: str, count: int, root: Path) -> dict[str, float]:
                 await run_cell(sock, cell)
             expected = await run_cell(sock, CHECK)
             await sock.close()
+            ws_url = (url.replace("http", "ws", 1)
+                      + f"/v1/workspaces/{workspace}/api/kernels/{kernel}/channels")
             resumes, suspends, sizes, paths = [], [], [], []
             columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                        TimeElapsedColumn())
             with Progress(*columns, console=stderr, transient=True) as progress:
                 task = progress.add_task(f"{path} cycles", total=count)
                 for _ in range(count):
+                    sock = await KernelSocket.connect(ws_url, token)
+                    await run_cell(sock, WORK)
+                    await sock.close()
                     took, body = await timed(http, f"/v1/workspaces/{workspace}/suspend")
                     suspends.append(took)
                     sizes.append(body["snapshot"]["bytes"])
@@ -123,19 +131,21 @@ async def cycles(path: str, count: int, root: Path) -> dict[str, float]:
                     resumes.append(took)
                     paths.append(body["restore"]["kernels"][kernel]["path"])
                     progress.advance(task)
-        ws_url = (url.replace("http", "ws", 1)
-                  + f"/v1/workspaces/{workspace}/api/kernels/{kernel}/channels")
         sock = await KernelSocket.connect(ws_url, token)
         got = await run_cell(sock, CHECK)
+        progress_made = await run_cell(sock, PROGRESS)
         await sock.close()
-    if got != expected:
-        raise RuntimeError(f"state changed across the cycles: {expected!r} -> {got!r}")
+    if got != expected or progress_made != f"{12 + count} {1000 + count}\n":
+        raise RuntimeError(f"state changed across the cycles: {expected!r} -> {got!r}, "
+                           f"progress {progress_made!r}")
     ms = 1000.0
     return {
         f"{path}_resume_p50_ms": statistics.median(resumes) * ms,
         f"{path}_resume_p95_ms": p95(resumes) * ms,
         f"{path}_suspend_p50_ms": statistics.median(suspends) * ms,
         f"{path}_suspend_p95_ms": p95(suspends) * ms,
+        # The first suspend uploads everything; later ones only what changed.
+        f"{path}_suspend_first_ms": suspends[0] * ms,
         f"{path}_path_matches": float(sum(p == path for p in paths)),
         f"{path}_snapshot_bytes": float(statistics.median(sizes)),
     }
