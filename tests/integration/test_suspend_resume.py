@@ -35,7 +35,8 @@ from tests.support.wheels import build_wheel
 #: Cells that build the typical workspace (arrays smaller than the benchmark's 50 MB).
 SETUP = [
     "%pip install --no-index --quiet ./nbf_demo-0.1-py3-none-any.whl",
-    "import numpy as np\nimport pandas as pd\nimport threading, socket\nimport nbf_demo",
+    "!pip install --no-index --quiet ./nbf_bang-0.1-py3-none-any.whl",  # the shell form too
+    "import numpy as np\nimport pandas as pd\nimport threading, socket\nimport nbf_demo, nbf_bang",
     "rng = np.random.default_rng(7)\narr = rng.random(1_000_000)",  # 8 MB
     "df = pd.DataFrame({'a': np.arange(200_000), 'b': rng.random(200_000),\n"
     "                   'c': [f's{i % 97}' for i in range(200_000)]})",
@@ -55,7 +56,8 @@ FINGERPRINT = (
     "print(hashlib.sha256(arr.tobytes()).hexdigest(),"
     " hashlib.sha256(pd.util.hash_pandas_object(df).values.tobytes()).hexdigest(),"
     " repr((d, items, n, ratio, name, first, log)), square(12), p.norm2(),"
-    " type(p).__name__, nbf_demo.VALUE, nbf_demo.__file__.split('/')[-3])"
+    " type(p).__name__, nbf_demo.VALUE, nbf_demo.__file__.split('/')[-3],"
+    " nbf_bang.VALUE, nbf_bang.__file__.split('/')[-3])"
 )
 
 
@@ -106,9 +108,10 @@ def resume(client: httpx.Client, ws: str) -> dict[str, Any]:
 def typical_workspace(cluster: Cluster, tmp_path: Path) -> tuple[httpx.Client, str, str]:
     client = cluster.new_user()
     ws = create_running(client)
-    wheel = build_wheel(tmp_path, "nbf_demo", "0.1", "VALUE = 'demo-42'\n")
-    assert client.put(f"/v1/workspaces/{ws}/files/{wheel.name}",
-                      content=wheel.read_bytes()).status_code in (200, 201)
+    for name, value in (("nbf_demo", "demo-42"), ("nbf_bang", "bang-7")):
+        wheel = build_wheel(tmp_path, name, "0.1", f"VALUE = {value!r}\n")
+        assert client.put(f"/v1/workspaces/{ws}/files/{wheel.name}",
+                          content=wheel.read_bytes()).status_code in (200, 201)
     assert client.put(f"/v1/workspaces/{ws}/files/data.txt",
                       content=b"line one\nline two\n").status_code in (200, 201)
     kernel = start_kernel(client, ws)
@@ -122,7 +125,8 @@ def check_round_trip(cluster: Cluster, tmp_path: Path, path: str) -> None:
     """Build, suspend and resume the typical workspace; ``path``: warm or cold."""
     client, ws, kernel = typical_workspace(cluster, tmp_path)
     before = outcome(run_cell(cluster, client, ws, kernel, FINGERPRINT))
-    assert "demo-42 packages" in before, before  # imported from the workspace's layer
+    # Both imported from the workspace's layer, not the base environment.
+    assert "demo-42 packages bang-7 packages" in before, before
 
     suspended = suspend(client, ws)
     assert suspended["state"] == "suspended" and suspended["host_id"] is None
