@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.panel import Panel
 
-from nbfleet.cli import sim, users, ws
+from nbfleet.cli import credit, sim, users, ws
 from nbfleet.cli.home import DEFAULT_PORT, home_dir, sqlite_url
 from nbfleet.model.errors import DomainError
 from nbfleet.model.resources import parse_gpu_spec
@@ -29,6 +29,7 @@ app = typer.Typer(
 )
 app.add_typer(ws.app, name="ws")
 app.add_typer(users.app, name="user")
+app.add_typer(credit.app, name="credit")
 app.command("sim")(sim.sim)
 console = Console(stderr=True)
 
@@ -54,6 +55,19 @@ BUSY_TIMEOUT_OPT = typer.Option(30.0, "--suspend-busy-timeout", min=0,
                                 help="Seconds a suspend waits for a running cell")
 CULL_INTERVAL_OPT = typer.Option(30.0, "--cull-interval", min=0.1,
                                  help="Seconds between idle checks")
+CREDIT_REAP_OPT = typer.Option(
+    5.0, "--credit-reap-interval", min=0.05,
+    help="Seconds between credit reaper passes (lapsed holds, expired grants)")
+RATE_LIMIT_OPT = typer.Option(
+    "100/second;3000/minute", "--rate-limit", envvar="NBFLEET_RATE_LIMIT",
+    help="Requests under /v1 per token, all items apply, e.g. '100/second;3000/minute' "
+         "(0 or none: no limit)",
+)
+RATE_STORAGE_OPT = typer.Option(
+    "memory://", "--rate-limit-storage", envvar="NBFLEET_RATE_LIMIT_STORAGE",
+    help="Where requests are counted: memory:// (per process) or redis://host:6379 "
+         "(shared by all control-plane replicas)",
+)
 
 
 def _check_agent_options(gpus: str, sandbox: str) -> None:
@@ -73,6 +87,22 @@ def _check_suspend_options(on_busy: str) -> None:
     if on_busy not in ("wait", "interrupt"):
         console.print("[red]error:[/red] --suspend-on-busy must be 'wait' or 'interrupt'")
         raise typer.Exit(2)
+
+
+def _check_rate_limit_options(rate: str, storage: str) -> None:
+    from rich.markup import escape
+
+    from nbfleet.web.ratelimit import ApiRateLimit, parse_rate
+
+    option = "--rate-limit"
+    try:
+        items = parse_rate(rate)
+        option = "--rate-limit-storage"
+        if items:
+            ApiRateLimit(items, storage)
+    except ValueError as exc:
+        console.print(f"[red]error:[/red] {option}: {escape(str(exc))}")
+        raise typer.Exit(2) from exc
 
 
 def _control(home: Path, db: str | None, blobs: str | None, secret: str | None,
@@ -118,6 +148,9 @@ def up(
     suspend_on_busy: str = ON_BUSY_OPT,
     suspend_busy_timeout: float = BUSY_TIMEOUT_OPT,
     cull_interval: float = CULL_INTERVAL_OPT,
+    credit_reap_interval: float = CREDIT_REAP_OPT,
+    rate_limit: str = RATE_LIMIT_OPT,
+    rate_limit_storage: str = RATE_STORAGE_OPT,
     log_level: str = LOG_OPT,
 ) -> None:
     """Run the whole platform on this machine: control plane + one agent, SQLite, local blobs."""
@@ -132,10 +165,13 @@ def up(
     configure_logging(log_level)
     _check_agent_options(gpus, sandbox)
     _check_suspend_options(suspend_on_busy)
+    _check_rate_limit_options(rate_limit, rate_limit_storage)
     state = home_dir(home)
     lifecycle = {"idle_suspend_s": idle_suspend, "suspend_on_busy": suspend_on_busy,
                  "suspend_busy_timeout_s": suspend_busy_timeout,
-                 "cull_interval_s": cull_interval}
+                 "cull_interval_s": cull_interval, "rate_limit": rate_limit,
+                 "credit_reap_interval_s": credit_reap_interval,
+                 "rate_limit_storage": rate_limit_storage}
     control, url, token = _control(state, None, None, None, host, port, log_level, lifecycle)
     agent = agent_server(
         AgentConfig(control_url=url, secret=load_or_create_secret(state / "cluster-secret"),
@@ -163,6 +199,9 @@ def control(
     suspend_on_busy: str = ON_BUSY_OPT,
     suspend_busy_timeout: float = BUSY_TIMEOUT_OPT,
     cull_interval: float = CULL_INTERVAL_OPT,
+    credit_reap_interval: float = CREDIT_REAP_OPT,
+    rate_limit: str = RATE_LIMIT_OPT,
+    rate_limit_storage: str = RATE_STORAGE_OPT,
     log_level: str = LOG_OPT,
 ) -> None:
     """Run the control plane alone (agents join with `nbfleet agent`)."""
@@ -170,10 +209,13 @@ def control(
 
     configure_logging(log_level)
     _check_suspend_options(suspend_on_busy)
+    _check_rate_limit_options(rate_limit, rate_limit_storage)
     state = home_dir(home)
     lifecycle = {"idle_suspend_s": idle_suspend, "suspend_on_busy": suspend_on_busy,
                  "suspend_busy_timeout_s": suspend_busy_timeout,
-                 "cull_interval_s": cull_interval}
+                 "cull_interval_s": cull_interval, "rate_limit": rate_limit,
+                 "credit_reap_interval_s": credit_reap_interval,
+                 "rate_limit_storage": rate_limit_storage}
     serving, url, token = _control(state, db, blobs, secret, host, port, log_level, lifecycle)
     _banner(url, token, state)
     asyncio.run(serve_all([serving]))

@@ -9,16 +9,28 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Response
 
 from nbfleet import __version__
-from nbfleet.control import culler, housekeeping, leases
+from nbfleet.control import credit_reaper, culler, housekeeping, leases
 from nbfleet.control.platform import ControlConfig, Platform
 from nbfleet.control.reconciler import LEASE, Reconciler
-from nbfleet.control.routers import admin, files, gateway, internal, workspaces
+from nbfleet.control.routers import (
+    admin,
+    budgets,
+    credits,
+    files,
+    gateway,
+    holds,
+    internal,
+    workspaces,
+)
 from nbfleet.db.migrate import upgrade
 from nbfleet.web.metrics import TimingMiddleware, metrics_response
 from nbfleet.web.problems import install_problem_handlers
+from nbfleet.web.ratelimit import RateLimitMiddleware, rate_limit
 
 
 def create_app(config: ControlConfig, run_reconciler: bool = True) -> FastAPI:
+    # A bad rate or storage raises here, before the database is touched.
+    limit = rate_limit(config.rate_limit, config.rate_limit_storage)
     platform = Platform(config)
     upgrade(platform.db.engine)
 
@@ -28,7 +40,8 @@ def create_app(config: ControlConfig, run_reconciler: bool = True) -> FastAPI:
         if run_reconciler:
             tasks = [asyncio.create_task(Reconciler(platform).run_forever()),
                      asyncio.create_task(housekeeping.run_forever(platform)),
-                     asyncio.create_task(culler.run_forever(platform))]
+                     asyncio.create_task(culler.run_forever(platform)),
+                     asyncio.create_task(credit_reaper.run_forever(platform))]
         try:
             yield
         finally:
@@ -48,9 +61,11 @@ def create_app(config: ControlConfig, run_reconciler: bool = True) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.platform = platform
+    if limit is not None:  # inside the timer, so 429s are timed and counted too
+        app.add_middleware(RateLimitMiddleware, limit=limit)
     app.add_middleware(TimingMiddleware, name="control")
     install_problem_handlers(app)
-    for module in (workspaces, files, gateway, admin, internal):
+    for module in (workspaces, files, gateway, admin, internal, credits, budgets, holds):
         app.include_router(module.router)
 
     @app.get("/healthz", tags=["ops"], summary="Liveness")

@@ -27,6 +27,12 @@ class ControlConfig:
     #: A suspend that finds a cell running: "wait" (then interrupt) or "interrupt".
     suspend_on_busy: str = "wait"
     suspend_busy_timeout_s: float = 30.0
+    #: Seconds between passes of the credit reaper (lapsed holds, expired grants).
+    credit_reap_interval_s: float = 5.0
+    #: Requests under /v1 per token (all items apply; "0" or "none": no limit), and
+    #: where they are counted: "memory://" per replica, "redis://…" across replicas.
+    rate_limit: str = "100/second;3000/minute"
+    rate_limit_storage: str = "memory://"
 
 
 @dataclass

@@ -49,3 +49,10 @@ class SuspendFailed(Unavailable):
     """A suspend could not save the workspace's state; the runtime is still running."""
 
     title = "Suspend failed"
+
+
+class PaymentRequired(DomainError):
+    """Credits or a budget refuse the work; ``reason`` in the problem says which."""
+
+    status = 402
+    title = "Payment required"

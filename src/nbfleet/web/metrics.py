@@ -17,6 +17,12 @@ HTTP_SECONDS = Histogram(
 WORKSPACE_TRANSITIONS = Counter(
     "nbfleet_workspace_transitions_total", "Workspace state changes", ["from_state", "to_state"]
 )
+CREDIT_BUDGET_ALERTS = Counter(
+    "nbfleet_credit_budget_alerts_total", "Soft budget limits crossed", ["level"]
+)
+CREDIT_DECISIONS = Counter(
+    "nbfleet_credit_decisions_total", "Credit ledger decisions", ["action", "outcome"]
+)
 
 
 def metrics_response() -> Response:

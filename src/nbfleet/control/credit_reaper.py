@@ -1,0 +1,45 @@
+"""Returns stranded credits: holds whose lease lapsed, and grants past their expiry.
+
+Every replica runs it, without a lease: each hold is locked with SKIP LOCKED and
+settled at most once, so two reapers (or a reaper and a late finish call) can race
+freely. Both passes read the DB clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from nbfleet.control.platform import Platform
+from nbfleet.ledger import service
+
+log = logging.getLogger(__name__)
+
+BATCH = 100
+
+
+def sweep(platform: Platform) -> tuple[int, int]:
+    """One pass: (holds reaped, buckets expired)."""
+    reaped = expired = 0
+    while True:
+        ids = service.reap(platform.db, BATCH)
+        reaped += len(ids)
+        if len(ids) < BATCH:
+            break
+    while True:
+        count = service.expire(platform.db, BATCH)
+        expired += count
+        if count < BATCH:
+            break
+    return reaped, expired
+
+
+async def run_forever(platform: Platform) -> None:
+    while True:
+        try:
+            reaped, expired = await asyncio.to_thread(sweep, platform)
+            if reaped or expired:
+                log.info("credit reaper: %d holds released, %d grants expired", reaped, expired)
+        except Exception:
+            log.exception("credit reaper failed")
+        await asyncio.sleep(platform.config.credit_reap_interval_s)

@@ -1,0 +1,232 @@
+"""Hierarchical budgets (org, project, user) and the spend counters they read.
+
+A counter holds spent plus held for one scope and one calendar period. A hold adds
+its amount when it is admitted (and when it is extended) to the counters of its
+admission's day and month, and takes back what it releases. Captures move credits
+from held to consumed and leave the counters alone, so the metering path never
+touches them, and a budget check is one indexed read per level.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import TextClause, bindparam, select, text, update
+from sqlalchemy.orm import Session
+
+from nbfleet.db.credit_tables import Budget, SpendCounter
+from nbfleet.db.ids import new_id
+from nbfleet.db.tables import Org, Project, User
+from nbfleet.ledger import audit
+from nbfleet.ledger.grants import iso
+from nbfleet.model.credits import (
+    MAX_AMOUNT,
+    BudgetRule,
+    Enforcement,
+    Level,
+    Period,
+    Verdict,
+    judge,
+    period_key,
+)
+from nbfleet.model.errors import Conflict, InvalidInput, NotFound, PaymentRequired
+from nbfleet.web.metrics import CREDIT_BUDGET_ALERTS
+
+
+@dataclass(frozen=True, slots=True)
+class Scopes:
+    """The three levels a piece of work is accounted to."""
+
+    org_id: str
+    project_id: str
+    user_id: str | None
+
+    def keys(self) -> dict[Level, str]:
+        keys = {Level.ORG: f"org:{self.org_id}", Level.PROJECT: f"project:{self.project_id}"}
+        if self.user_id:
+            keys[Level.USER] = f"user:{self.user_id}"
+        return keys
+
+
+def _upsert_sql(rows: int) -> TextClause:
+    """One upsert of ``rows`` counters, RETURNING the new values. The same SQL on
+    PostgreSQL and SQLite; plain text, so no statement is compiled per call."""
+    values = ", ".join(f"(:s{i}, :p{i}, :amount)" for i in range(rows))
+    return text(
+        f"INSERT INTO credit_spend (scope, period, amount) VALUES {values} "
+        "ON CONFLICT (scope, period) DO UPDATE SET amount = credit_spend.amount + "
+        "excluded.amount RETURNING scope, period, amount")
+
+
+def commit(session: Session, scopes: Scopes, periods: tuple[str, str], amount: int,
+           actor: audit.Actor, now: datetime, subject_id: str) -> None:
+    """Count ``amount`` against every level's budgets, or refuse it with the reason.
+
+    The counters are upserted in key order (the lock order); a refusal raises,
+    and the caller's transaction rolls the increments back.
+    """
+    keys = scopes.keys()
+    rows = sorted({(key, period) for key in keys.values() for period in periods})
+    params: dict[str, object] = {"amount": amount}
+    for i, (key, period) in enumerate(rows):
+        params[f"s{i}"], params[f"p{i}"] = key, period
+    after = {(scope, period): value for scope, period, value
+             in session.execute(_upsert_sql(len(rows)), params)}
+    budgets = session.execute(
+        select(Budget).where(Budget.scope.in_(list(keys.values())))
+    ).scalars().all()
+    verdicts: list[Verdict] = []
+    for budget in budgets:
+        period = periods[0] if budget.period == Period.DAY else periods[1]
+        committed_before = after[(budget.scope, period)] - amount
+        verdicts.append(judge(rule_of(budget), committed_before, amount))
+    refused = [verdict for verdict in verdicts if verdict.refused]
+    if refused:
+        first = min(refused, key=lambda v: list(Level).index(v.rule.level))
+        raise PaymentRequired(
+            first.reason, reason=("spend_cap_reached" if first.rule.enforcement == Enforcement.CAP
+                                  else "budget_exceeded"),
+            budget_id=first.rule.id, level=str(first.rule.level), limit=first.rule.limit,
+            committed=first.committed_before)
+    alerts = [verdict for verdict in verdicts if verdict.alert]
+    for verdict in alerts:
+        CREDIT_BUDGET_ALERTS.labels(str(verdict.rule.level)).inc()
+    audit.record(session, actor, now, [
+        audit.AuditRow("budget_alert", verdict.rule.id, scopes.org_id, scopes.project_id, None,
+                       {"committed": verdict.committed_before},
+                       {"committed": verdict.committed_before + amount,
+                        "limit": verdict.rule.limit, "level": str(verdict.rule.level),
+                        "period": str(verdict.rule.period), "work": subject_id})
+        for verdict in alerts])
+
+
+_GIVE_BACK = (
+    update(SpendCounter)
+    .where(SpendCounter.scope == bindparam("k_scope"), SpendCounter.period == bindparam("k_period"))
+    .values(amount=SpendCounter.amount - bindparam("k_amount"))
+)
+
+
+def uncommit(session: Session, scopes: Scopes, periods: tuple[str, str], amount: int) -> None:
+    """Take back credits a hold released (in key order, like ``commit``)."""
+    if amount <= 0:
+        return
+    rows = sorted({(key, period) for key in scopes.keys().values() for period in periods})
+    session.connection().execute(_GIVE_BACK, [
+        {"k_scope": key, "k_period": period, "k_amount": amount} for key, period in rows])
+
+
+def periods_at(now: datetime) -> tuple[str, str]:
+    return period_key(Period.DAY, now), period_key(Period.MONTH, now)
+
+
+def rule_of(budget: Budget) -> BudgetRule:
+    return BudgetRule(budget.id, Level(budget.level), Period(budget.period), budget.limit,
+                      Enforcement(budget.enforcement))
+
+
+def committed(session: Session, scope: str, period: str) -> int:
+    value = session.execute(select(SpendCounter.amount).where(
+        SpendCounter.scope == scope, SpendCounter.period == period)).scalar_one_or_none()
+    return int(value or 0)
+
+
+def view(session: Session, budget: Budget, now: datetime) -> dict[str, Any]:
+    period = period_key(Period(budget.period), now)
+    return {
+        "id": budget.id, "level": budget.level, "org_id": budget.org_id,
+        "project_id": budget.project_id, "user_id": budget.user_id,
+        "period": budget.period, "limit": budget.limit, "enforcement": budget.enforcement,
+        "current_period": period, "committed": committed(session, budget.scope, period),
+        "created_at": iso(budget.created_at), "updated_at": iso(budget.updated_at),
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetTarget:
+    """Which org, project or user a budget limits (resolved to ids)."""
+
+    level: Level
+    org_id: str
+    project_id: str | None
+    user_id: str | None
+
+    @property
+    def scope(self) -> str:
+        ident = {Level.ORG: self.org_id, Level.PROJECT: self.project_id,
+                 Level.USER: self.user_id}[self.level]
+        return f"{self.level}:{ident}"
+
+
+def target_by_names(session: Session, org: str, project: str | None,
+                    user: str | None) -> BudgetTarget:
+    """Resolve names; the most specific one given sets the level."""
+    org_row = session.execute(select(Org).where(Org.name == org)).scalar_one_or_none()
+    if org_row is None:
+        raise NotFound(f"org {org!r} not found")
+    if user is not None:
+        user_row = session.execute(select(User).where(
+            User.org_id == org_row.id, User.name == user)).scalar_one_or_none()
+        if user_row is None:
+            raise NotFound(f"user {org}/{user} not found")
+        return BudgetTarget(Level.USER, org_row.id, user_row.project_id, user_row.id)
+    if project is not None:
+        project_row = session.execute(select(Project).where(
+            Project.org_id == org_row.id, Project.name == project)).scalar_one_or_none()
+        if project_row is None:
+            raise NotFound(f"project {org}/{project} not found")
+        return BudgetTarget(Level.PROJECT, org_row.id, project_row.id, None)
+    return BudgetTarget(Level.ORG, org_row.id, None, None)
+
+
+def _check_limit(limit: int) -> None:
+    if not 0 <= limit <= MAX_AMOUNT:
+        raise InvalidInput(f"limit must be between 0 and {MAX_AMOUNT} micro-credits",
+                           field="limit")
+
+
+def create(session: Session, target: BudgetTarget, period: Period, limit: int,
+           enforcement: Enforcement, actor: audit.Actor, now: datetime) -> Budget:
+    _check_limit(limit)
+    exists = session.execute(select(Budget.id).where(
+        Budget.scope == target.scope, Budget.period == str(period),
+        Budget.enforcement == str(enforcement))).scalar_one_or_none()
+    if exists:
+        raise Conflict(f"a {enforcement} {period} budget already exists for this {target.level}",
+                       budget_id=exists)
+    budget = Budget(id=new_id("bud"), org_id=target.org_id, project_id=target.project_id,
+                    user_id=target.user_id, level=str(target.level), scope=target.scope,
+                    period=str(period), limit=limit, enforcement=str(enforcement),
+                    created_at=now, updated_at=now)
+    session.add(budget)
+    session.flush()
+    audit.record(session, actor, now, [audit.AuditRow(
+        "budget_create", budget.id, budget.org_id, budget.project_id, None, None,
+        _plain(budget))])
+    return budget
+
+
+def update_limit(session: Session, budget: Budget, limit: int, actor: audit.Actor,
+                 now: datetime) -> Budget:
+    _check_limit(limit)
+    before = _plain(budget)
+    budget.limit = limit
+    budget.updated_at = now
+    audit.record(session, actor, now, [audit.AuditRow(
+        "budget_update", budget.id, budget.org_id, budget.project_id, None, before,
+        _plain(budget))])
+    return budget
+
+
+def delete(session: Session, budget: Budget, actor: audit.Actor, now: datetime) -> None:
+    audit.record(session, actor, now, [audit.AuditRow(
+        "budget_delete", budget.id, budget.org_id, budget.project_id, None, _plain(budget),
+        None)])
+    session.delete(budget)
+
+
+def _plain(budget: Budget) -> dict[str, Any]:
+    return {"level": budget.level, "scope": budget.scope, "period": budget.period,
+            "limit": budget.limit, "enforcement": budget.enforcement}
