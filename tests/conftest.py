@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from nbfleet.db.engine import Database
+from nbfleet.db.migrate import upgrade
 from tests.support.cluster import Cluster
 
 PG_ADMIN_URL = os.environ.get("NBFLEET_TEST_PG")
@@ -51,6 +53,15 @@ def running_cluster(root: Path, control_args: tuple[str, ...] = (), warm_pool: i
 def db_url(tmp_path: Path) -> Iterator[str]:
     with fresh_database(tmp_path) as url:
         yield url
+
+
+@pytest.fixture
+def db(db_url: str) -> Iterator[Database]:
+    """A migrated database (SQLite, or PostgreSQL with NBFLEET_TEST_PG)."""
+    database = Database(db_url)
+    upgrade(database.engine)
+    yield database
+    database.dispose()
 
 
 @pytest.fixture

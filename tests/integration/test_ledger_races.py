@@ -6,15 +6,13 @@ from __future__ import annotations
 import random
 import threading
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
-import pytest
 from sqlalchemy import func, select, update
 
-from nbfleet.db import migrate
 from nbfleet.db.credit_tables import CreditHold
 from nbfleet.db.engine import Database
 from nbfleet.ledger import grants, service
@@ -26,13 +24,6 @@ from tests.support.ledger_ops import assert_balanced, hold, txns
 
 RATE = 3_600_000  # 1 micro-credit per GPU-ms
 
-
-@pytest.fixture
-def db(db_url: str) -> Iterator[Database]:
-    database = Database(db_url)
-    migrate.upgrade(database.engine)
-    yield database
-    database.dispose()
 
 
 def db_now(db: Database) -> Any:

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 
-from nbfleet.db import migrate
 from nbfleet.db.engine import Database
 from nbfleet.ledger import metering, verify
 from nbfleet.model.credits import Enforcement, GrantKind, Level, Period
@@ -45,13 +43,6 @@ from tests.support.ledger_ops import (
 DAY = "day:2026-11-23"
 MONTH = "month:2026-11"
 
-
-@pytest.fixture
-def db(db_url: str) -> Iterator[Database]:
-    database = Database(db_url)
-    migrate.upgrade(database.engine)
-    yield database
-    database.dispose()
 
 
 @pytest.fixture

@@ -46,6 +46,15 @@ def test_a_token_over_its_limit_gets_429_and_others_are_served(
         assert other.headers["RateLimit-Remaining"] == "4"
         assert cluster.admin().get("/healthz").status_code == 200
 
+        # The platform's own callers (agents metering a whole host with the cluster
+        # secret) are not limited: a host's usage must never be refused.
+        secret = (cluster.home / "cluster-secret").read_text().strip()
+        internal = [httpx.get(f"{cluster.url}/v1/credits/holds/hold_none",
+                              headers={"Authorization": f"Bearer {secret}"})
+                    for _ in range(8)]
+        assert [r.status_code for r in internal] == [404] * 8
+        assert all("RateLimit-Limit" not in r.headers for r in internal)
+
         time.sleep(retry_after)
         again = alice.get("/v1/workspaces")
         assert again.status_code == 200, again.text

@@ -25,7 +25,7 @@ from nbfleet.control.routers import (
 from nbfleet.db.migrate import upgrade
 from nbfleet.web.metrics import TimingMiddleware, metrics_response
 from nbfleet.web.problems import install_problem_handlers
-from nbfleet.web.ratelimit import RateLimitMiddleware, rate_limit
+from nbfleet.web.ratelimit import RateLimitMiddleware, rate_limit, token_key
 
 
 def create_app(config: ControlConfig, run_reconciler: bool = True) -> FastAPI:
@@ -62,7 +62,8 @@ def create_app(config: ControlConfig, run_reconciler: bool = True) -> FastAPI:
     )
     app.state.platform = platform
     if limit is not None:  # inside the timer, so 429s are timed and counted too
-        app.add_middleware(RateLimitMiddleware, limit=limit)
+        app.add_middleware(RateLimitMiddleware, limit=limit,
+                           exempt=frozenset({token_key(config.secret)}))
     app.add_middleware(TimingMiddleware, name="control")
     install_problem_handlers(app)
     for module in (workspaces, files, gateway, admin, internal, credits, budgets, holds):

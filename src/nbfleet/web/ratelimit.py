@@ -116,6 +116,10 @@ def rate_limit(rate: str, storage_url: str = "memory://") -> ApiRateLimit | None
     return ApiRateLimit(items, storage_url) if items else None
 
 
+def token_key(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
 def caller_key(scope: Scope) -> str:
     """The SHA-256 of the caller's token (header, else ``?token=``), else its address."""
     token = bearer_token(Headers(scope=scope).get("authorization"))
@@ -123,7 +127,7 @@ def caller_key(scope: Scope) -> str:
         query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
         token = (query.get("token") or [None])[0]
     if token:
-        return hashlib.sha256(token.encode()).hexdigest()
+        return token_key(token)
     client = scope.get("client")
     return f"ip:{client[0] if client else 'unknown'}"
 
@@ -134,13 +138,16 @@ class RateLimitMiddleware:
     the docs, or WebSockets (a kernel's channels are one long connection).
 
     Should the storage fail (Redis down), requests are let through: a rate limiter
-    must not take the API down with it.
+    must not take the API down with it. ``exempt`` holds caller keys that are the
+    platform's own (the cluster secret's: agents metering usage for a whole host).
     """
 
-    def __init__(self, app: ASGIApp, limit: ApiRateLimit, prefix: str = "/v1/") -> None:
+    def __init__(self, app: ASGIApp, limit: ApiRateLimit, prefix: str = "/v1/",
+                 exempt: frozenset[str] = frozenset()) -> None:
         self.app = app
         self.limit = limit
         self.prefix = prefix
+        self.exempt = exempt
         self._last_warning = 0.0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -148,6 +155,9 @@ class RateLimitMiddleware:
             await self.app(scope, receive, send)
             return
         key = caller_key(scope)
+        if key in self.exempt:
+            await self.app(scope, receive, send)
+            return
         try:
             if self.limit.blocking:
                 verdict = await anyio.to_thread.run_sync(self.limit.check, key)
