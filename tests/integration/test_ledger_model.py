@@ -75,6 +75,8 @@ class Hold:
     released: int = 0
     expired: int = 0
     uncovered: int = 0
+    #: The last extension fell short: the work runs past its credits.
+    exhausted: bool = False
     gpu_ms: int = 0
     last_seq: int = 0
     state: str = "active"
@@ -203,7 +205,8 @@ class LedgerMachine(RuleBasedStateMachine):
             return
         hold.gpu_ms = max(hold.gpu_ms, gpu_ms)
         due = usage_cost(hold.gpu_ms, hold.rate) - hold.captured - hold.uncovered
-        if due > hold.held:
+        extending = due > hold.held
+        if extending:
             taken = self._draw(due - hold.held)
             got = sum(part for _b, part in taken)
             self._hold_from(hold, taken)
@@ -222,9 +225,11 @@ class LedgerMachine(RuleBasedStateMachine):
         hold.held -= covered
         hold.captured += covered
         hold.uncovered += due - covered
+        if extending:  # a later grant that covers the work clears it again
+            hold.exhausted = covered < due
         hold.last_seq = seq
         hold.lease_expires_at = self.now + timedelta(seconds=hold.lease_s)
-        assert outcome.status == ("exhausted" if hold.uncovered else "applied")
+        assert outcome.status == ("exhausted" if hold.exhausted else "applied")
 
     @precondition(lambda self: self.holds)
     @rule(pick=st.integers(0, 10**6), step=st.integers(0, 300))
@@ -281,9 +286,9 @@ class LedgerMachine(RuleBasedStateMachine):
         for hold in self.holds.values():
             row = holds[hold.id]
             assert (row.amount, row.held, row.captured, row.released, row.expired,
-                    row.uncovered, row.gpu_ms, row.last_seq, row.state) == (
+                    row.uncovered, row.exhausted, row.gpu_ms, row.last_seq, row.state) == (
                 hold.amount, hold.held, hold.captured, hold.released, hold.expired,
-                hold.uncovered, hold.gpu_ms, hold.last_seq, hold.state), hold.id
+                hold.uncovered, hold.exhausted, hold.gpu_ms, hold.last_seq, hold.state), hold.id
             assert row.lease_expires_at == hold.lease_expires_at
         for wallet in (0, 1):
             mine = [b for b in self.buckets.values() if b.wallet == wallet]

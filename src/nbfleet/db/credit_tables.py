@@ -20,6 +20,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.orm import Mapped, mapped_column
 
@@ -73,7 +74,10 @@ class CreditHold(Base):
 
     __tablename__ = "credit_holds"
     __table_args__ = (
-        Index("ix_credit_holds_lease", "state", "lease_expires_at"),
+        # The reaper's list: active holds only, and not by lease, so renewing a lease
+        # on every usage report changes no indexed column (an in-place update).
+        Index("ix_credit_holds_active", "id", postgresql_where=text("state = 'active'"),
+              sqlite_where=text("state = 'active'")),
         Index("ix_credit_holds_tenant", "org_id", "project_id", "id"),
         CheckConstraint("held >= 0", name="ck_credit_holds_nonnegative"),
         CheckConstraint("amount = held + captured + released + expired",

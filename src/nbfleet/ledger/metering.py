@@ -56,7 +56,13 @@ class UsageReport:
 class UsageOutcome:
     hold_id: str
     status: str
-    hold: dict[str, Any] | None = field(default=None)
+    #: The hold as it stands after the report (a CreditHold or a record of its
+    #: columns); rendered only when asked, off the metering path.
+    record: Any = field(default=None)
+
+    @property
+    def hold(self) -> dict[str, Any] | None:
+        return holds.view(self.record) if self.record is not None else None
 
     def as_json(self) -> dict[str, Any]:
         return {"hold_id": self.hold_id, "status": self.status, "hold": self.hold}
@@ -201,8 +207,7 @@ def report_batch(session: Session, reports: Sequence[UsageReport], actor: audit.
         hold = locked.get(report.hold_id)
         skipped = _skip(hold, report)
         if skipped is not None or hold is None:
-            outcomes.append(UsageOutcome(report.hold_id, skipped or NOT_FOUND,
-                                         holds.view(hold) if hold else None))
+            outcomes.append(UsageOutcome(report.hold_id, skipped or NOT_FOUND, hold))
             continue
         if hold.id in deferred:
             outcomes.append(UsageOutcome(hold.id, NEEDS_EXTENSION))
@@ -217,7 +222,7 @@ def report_batch(session: Session, reports: Sequence[UsageReport], actor: audit.
         groups.append((hold.id, moves))
         notes.append(_note(hold, before, report, moves[0].wallet_id if moves else None))
         outcomes.append(UsageOutcome(hold.id, EXHAUSTED if hold.exhausted else APPLIED,
-                                     holds.view(hold)))
+                                     SimpleNamespace(**vars(hold))))  # as of this report
     post_many(session, "capture", groups, now)
     update_rows(session, CreditHoldPart.__table__, ("hold_id", "bucket_id"), [  # type: ignore[arg-type]
         {"hold_id": hold_id, "bucket_id": part.bucket_id, "held": part.held,
@@ -240,8 +245,7 @@ def report_with_extension(session: Session, report: UsageReport, actor: audit.Ac
     hold = holds.lock(session, [report.hold_id]).get(report.hold_id)
     skipped = _skip(hold, report)
     if skipped is not None or hold is None:
-        return UsageOutcome(report.hold_id, skipped or NOT_FOUND,
-                            holds.view(hold) if hold else None)
+        return UsageOutcome(report.hold_id, skipped or NOT_FOUND, hold)
     before = holds.snapshot(hold)
     parts = holds.parts_of(session, [hold.id])[hold.id]
     due = _due(hold, max(hold.gpu_ms, report.gpu_ms))
@@ -256,4 +260,4 @@ def report_with_extension(session: Session, report: UsageReport, actor: audit.Ac
     post_many(session, "capture", [(hold.id, moves)], now)
     audit.record(session, actor, now, [
         _note(hold, before, report, moves[0].wallet_id if moves else None)])
-    return UsageOutcome(hold.id, EXHAUSTED if hold.exhausted else APPLIED, holds.view(hold))
+    return UsageOutcome(hold.id, EXHAUSTED if hold.exhausted else APPLIED, hold)

@@ -96,7 +96,7 @@ def upgrade() -> None:
     sa.UniqueConstraint('work_id')
     )
     with op.batch_alter_table('credit_holds', schema=None) as batch_op:
-        batch_op.create_index('ix_credit_holds_lease', ['state', 'lease_expires_at'], unique=False)
+        batch_op.create_index('ix_credit_holds_active', ['id'], unique=False, postgresql_where=sa.text("state = 'active'"), sqlite_where=sa.text("state = 'active'"))
         batch_op.create_index('ix_credit_holds_tenant', ['org_id', 'project_id', 'id'], unique=False)
 
     op.create_table('credit_wallets',
@@ -211,7 +211,7 @@ def downgrade() -> None:
     op.drop_table('credit_wallets')
     with op.batch_alter_table('credit_holds', schema=None) as batch_op:
         batch_op.drop_index('ix_credit_holds_tenant')
-        batch_op.drop_index('ix_credit_holds_lease')
+        batch_op.drop_index('ix_credit_holds_active')
 
     op.drop_table('credit_holds')
     with op.batch_alter_table('ledger_entries', schema=None) as batch_op:
