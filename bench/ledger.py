@@ -63,7 +63,7 @@ GRANT = 10**15
 #: A reserve/settle hold: small.
 SMALL_HOLD = 1_000
 #: A metered hold: large enough never to need an extension during the run.
-USAGE_HOLD = 10**11
+USAGE_HOLD = 10**9
 #: GPU-milliseconds each usage report adds to its hold's counter.
 STEP_MS = 1_000
 PG_DEFAULT = "postgresql://postgres@127.0.0.1:5432/postgres"
