@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from nbfleet.control.platform import Platform
 from nbfleet.ledger import service
@@ -18,20 +19,20 @@ log = logging.getLogger(__name__)
 BATCH = 100
 
 
+def _drain(step: Callable[[], int]) -> int:
+    """Run ``step`` (which handles up to BATCH rows) until it handles fewer."""
+    total = 0
+    while True:
+        count = step()
+        total += count
+        if count < BATCH:
+            return total
+
+
 def sweep(platform: Platform) -> tuple[int, int]:
     """One pass: (holds reaped, buckets expired)."""
-    reaped = expired = 0
-    while True:
-        ids = service.reap(platform.db, BATCH)
-        reaped += len(ids)
-        if len(ids) < BATCH:
-            break
-    while True:
-        count = service.expire(platform.db, BATCH)
-        expired += count
-        if count < BATCH:
-            break
-    return reaped, expired
+    reaped = _drain(lambda: len(service.reap(platform.db, BATCH)))
+    return reaped, _drain(lambda: service.expire(platform.db, BATCH))
 
 
 async def run_forever(platform: Platform) -> None:

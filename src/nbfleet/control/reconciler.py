@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session
 
 from nbfleet.control import hosts, leases
 from nbfleet.control.platform import Platform
-from nbfleet.control.workspaces import iso, transition
+from nbfleet.control.workspaces import transition
 from nbfleet.db.tables import Kernel, Workspace
 from nbfleet.model.errors import DomainError, NotFound, SuspendFailed
 from nbfleet.model.workspace import (
@@ -36,6 +36,7 @@ from nbfleet.model.workspace import (
     retry_delay_s,
 )
 from nbfleet.policy.placement import least_loaded
+from nbfleet.web.render import iso
 
 log = logging.getLogger(__name__)
 

@@ -20,10 +20,7 @@ from nbfleet.model.workspace import (
     is_settled,
 )
 from nbfleet.web.metrics import WORKSPACE_TRANSITIONS
-
-
-def iso(moment: datetime | None) -> str | None:
-    return moment.isoformat().replace("+00:00", "Z") if moment else None
+from nbfleet.web.render import iso
 
 
 def to_json(ws: Workspace) -> dict[str, Any]:

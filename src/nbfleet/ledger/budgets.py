@@ -20,7 +20,6 @@ from nbfleet.db.credit_tables import Budget, SpendCounter
 from nbfleet.db.ids import new_id
 from nbfleet.db.tables import Org, Project, User
 from nbfleet.ledger import audit
-from nbfleet.ledger.grants import iso
 from nbfleet.model.credits import (
     MAX_AMOUNT,
     BudgetRule,
@@ -33,6 +32,7 @@ from nbfleet.model.credits import (
 )
 from nbfleet.model.errors import Conflict, InvalidInput, NotFound, PaymentRequired
 from nbfleet.web.metrics import CREDIT_BUDGET_ALERTS
+from nbfleet.web.render import iso
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +48,11 @@ class Scopes:
         if self.user_id:
             keys[Level.USER] = f"user:{self.user_id}"
         return keys
+
+
+def _counter_keys(scopes: Scopes, periods: tuple[str, str]) -> list[tuple[str, str]]:
+    """The (scope, period) counters a hold counts against, in key order (the lock order)."""
+    return sorted({(key, period) for key in scopes.keys().values() for period in periods})
 
 
 def _upsert_sql(rows: int) -> TextClause:
@@ -68,7 +73,7 @@ def commit(session: Session, scopes: Scopes, periods: tuple[str, str], amount: i
     and the caller's transaction rolls the increments back.
     """
     keys = scopes.keys()
-    rows = sorted({(key, period) for key in keys.values() for period in periods})
+    rows = _counter_keys(scopes, periods)
     params: dict[str, object] = {"amount": amount}
     for i, (key, period) in enumerate(rows):
         params[f"s{i}"], params[f"p{i}"] = key, period
@@ -113,7 +118,7 @@ def uncommit(session: Session, scopes: Scopes, periods: tuple[str, str], amount:
     """Take back credits a hold released (in key order, like ``commit``)."""
     if amount <= 0:
         return
-    rows = sorted({(key, period) for key in scopes.keys().values() for period in periods})
+    rows = _counter_keys(scopes, periods)
     session.connection().execute(_GIVE_BACK, [
         {"k_scope": key, "k_period": period, "k_amount": amount} for key, period in rows])
 

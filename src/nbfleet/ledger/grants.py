@@ -16,10 +16,7 @@ from nbfleet.ledger.journal import Account, Move, post
 from nbfleet.ledger.wallets import WalletOwner
 from nbfleet.model.credits import MAX_AMOUNT, GrantKind
 from nbfleet.model.errors import InvalidInput
-
-
-def iso(moment: datetime | None) -> str | None:
-    return moment.isoformat().replace("+00:00", "Z") if moment else None
+from nbfleet.web.render import iso
 
 
 def bucket_view(bucket: CreditBucket) -> dict[str, Any]:

@@ -22,7 +22,6 @@ from nbfleet.db.credit_tables import CreditBucket, CreditHold, CreditHoldPart, W
 from nbfleet.db.ids import new_id
 from nbfleet.ledger import audit, budgets
 from nbfleet.ledger.budgets import Scopes
-from nbfleet.ledger.grants import iso
 from nbfleet.ledger.journal import Account, Move, post
 from nbfleet.model.credits import (
     MAX_AMOUNT,
@@ -33,6 +32,7 @@ from nbfleet.model.credits import (
     spend_order_key,
 )
 from nbfleet.model.errors import Conflict, InvalidInput, NotFound, PaymentRequired
+from nbfleet.web.render import iso
 
 ACTIVE = "active"
 SETTLED = "settled"
@@ -106,6 +106,7 @@ def reserve(session: Session, request: HoldRequest, actor: audit.Actor,
     """
     _validate(request)
     existing: CreditHold | None = None
+    day_key, month_key = budgets.periods_at(now)
     hold = CreditHold(
         id=new_id("hold"), work_id=request.work_id, org_id=request.org_id,
         project_id=request.project_id, user_id=request.user_id, gpu_type=request.gpu_type,
@@ -113,8 +114,7 @@ def reserve(session: Session, request: HoldRequest, actor: audit.Actor,
         held=request.amount, captured=0, released=0, expired=0, uncovered=0, gpu_ms=0,
         last_seq=0, state=ACTIVE, exhausted=False, lease_s=request.lease_s,
         lease_expires_at=now + timedelta(seconds=request.lease_s),
-        day_key="", month_key="", created_at=now, updated_at=now)
-    hold.day_key, hold.month_key = budgets.periods_at(now)
+        day_key=day_key, month_key=month_key, created_at=now, updated_at=now)
     # First, before any other lock: a racing duplicate waits on the unique
     # work_id here, holding no bucket or counter, and then finds this hold.
     dialect = session.get_bind().dialect.name

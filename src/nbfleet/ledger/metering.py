@@ -93,15 +93,6 @@ class _Part(Protocol):
     captured: int
 
 
-def _wallets(session: Session, parts: Sequence[_Part]) -> dict[str, str]:
-    ids = sorted({part.bucket_id for part in parts})
-    if not ids:
-        return {}
-    rows = session.execute(select(CreditBucket.id, CreditBucket.wallet_id)
-                           .where(CreditBucket.id.in_(ids))).all()
-    return {bucket_id: wallet_id for bucket_id, wallet_id in rows}
-
-
 def _capture(hold: _Hold, parts: Sequence[_Part], due: int,
              wallet_of: dict[str, str]) -> list[Move]:
     """Move ``due`` from held to consumed, from the parts in spend order."""
@@ -253,7 +244,9 @@ def report_with_extension(session: Session, report: UsageReport, actor: audit.Ac
         holds.extend(session, hold, parts, due - hold.held, actor, now)
         parts = holds.parts_of(session, [hold.id])[hold.id]
     covered = min(due, hold.held)
-    moves = _capture(hold, parts, covered, _wallets(session, parts))
+    buckets = holds.lock_buckets(session, [part.bucket_id for part in parts])  # held already
+    moves = _capture(hold, parts, covered,
+                     {bucket.id: bucket.wallet_id for bucket in buckets.values()})
     hold.uncovered += due - covered
     hold.exhausted = covered < due
     _advance(hold, report, now)

@@ -22,6 +22,7 @@ from nbfleet.db.credit_tables import (
     Wallet,
 )
 from nbfleet.db.engine import Database
+from nbfleet.ledger.holds import scopes_of
 from nbfleet.ledger.journal import Account
 
 
@@ -102,16 +103,18 @@ def verify(session: Session) -> Report:
     for bucket_id in journal:
         report.mismatches.append(f"journal entries for unknown bucket {bucket_id}")
     report.totals = dict(per_wallet)
-    _check_holds(session, report)
-    _check_counters(session, report)
+    _check_counters(session, report, _check_holds(session, report))
     return report
 
 
-def _check_holds(session: Session, report: Report) -> None:
+def _check_holds(session: Session, report: Report) -> dict[tuple[str, str], int]:
+    """Check each hold against its parts; return what the spend counters should
+    hold: spent plus held per scope and period, summed over the holds."""
     parts = {hold_id: (int(held or 0), int(captured or 0)) for hold_id, held, captured in
              session.execute(select(CreditHoldPart.hold_id, func.sum(CreditHoldPart.held),
                                     func.sum(CreditHoldPart.captured))
                              .group_by(CreditHoldPart.hold_id))}
+    expected: dict[tuple[str, str], int] = defaultdict(int)
     for hold in session.execute(select(CreditHold)).scalars():
         report.holds += 1
         if hold.amount != hold.held + hold.captured + hold.released + hold.expired:
@@ -124,19 +127,15 @@ def _check_holds(session: Session, report: Report) -> None:
                 f"{held}/{captured}")
         if hold.state == "settled" and hold.held:
             report.mismatches.append(f"hold {hold.id}: settled but still holds {hold.held}")
-
-
-def _check_counters(session: Session, report: Report) -> None:
-    """Each spend counter must equal spent plus held of the holds it counts."""
-    expected: dict[tuple[str, str], int] = defaultdict(int)
-    for hold in session.execute(select(CreditHold)).scalars():
-        committed = hold.held + hold.captured
-        scopes = [f"org:{hold.org_id}", f"project:{hold.project_id}"]
-        if hold.user_id:
-            scopes.append(f"user:{hold.user_id}")
-        for scope in scopes:
+        for scope in scopes_of(hold).keys().values():
             for period in (hold.day_key, hold.month_key):
-                expected[(scope, period)] += committed
+                expected[(scope, period)] += hold.held + hold.captured
+    return expected
+
+
+def _check_counters(session: Session, report: Report,
+                    expected: dict[tuple[str, str], int]) -> None:
+    """Each spend counter must equal spent plus held of the holds it counts."""
     for counter in session.execute(select(SpendCounter)).scalars():
         want = expected.pop((counter.scope, counter.period), 0)
         if counter.amount != want:

@@ -12,8 +12,8 @@ from sqlalchemy import select
 from nbfleet.control import tenancy
 from nbfleet.control.auth import Principal
 from nbfleet.control.deps import platform_of, require_admin
-from nbfleet.control.workspaces import iso
 from nbfleet.db.tables import Agent
+from nbfleet.web.render import iso
 
 router = APIRouter(prefix="/v1/admin", tags=["admin"])
 

@@ -24,10 +24,10 @@ from nbfleet.control.deps import current_principal, idempotent_reply, platform_o
 from nbfleet.db.credit_tables import CreditAudit, LedgerEntry
 from nbfleet.db.ids import new_id
 from nbfleet.ledger import audit, grants, wallets
-from nbfleet.ledger.grants import iso
 from nbfleet.ledger.wallets import WalletOwner
 from nbfleet.model.credits import MAX_AMOUNT, GrantKind
 from nbfleet.model.errors import InvalidInput, NotFound
+from nbfleet.web.render import iso
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,100}")
 

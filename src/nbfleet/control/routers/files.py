@@ -15,6 +15,7 @@ from nbfleet.control.platform import Platform
 from nbfleet.model.errors import Conflict, DomainError
 from nbfleet.model.workspace import WorkspaceState
 from nbfleet.storage.paths import confine
+from nbfleet.web.render import iso
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/workspaces/{workspace_id}/files", tags=["files"])
@@ -44,7 +45,7 @@ async def list_files(workspace_id: str, request: Request,
     blobs = await asyncio.to_thread(platform.files.list, workspace_id)
     return {
         "files": [
-            {"path": b.key, "size": b.size, "modified": workspaces.iso(b.modified)} for b in blobs
+            {"path": b.key, "size": b.size, "modified": iso(b.modified)} for b in blobs
         ]
     }
 

@@ -18,6 +18,7 @@ from nbfleet.control.auth import Principal
 from nbfleet.control.deps import current_principal, idempotent_reply, platform_of
 from nbfleet.db.tables import Workspace, WorkspaceEvent
 from nbfleet.model.workspace import DesiredState, WorkspaceState
+from nbfleet.web.render import iso
 
 router = APIRouter(prefix="/v1/workspaces", tags=["workspaces"])
 
@@ -87,7 +88,7 @@ def workspace_events(workspace_id: str, request: Request,
         return {
             "items": [
                 {"from": e.from_state, "to": e.to_state, "reason": e.reason,
-                 "at": workspaces.iso(e.created_at)}
+                 "at": iso(e.created_at)}
                 for e in events
             ]
         }
