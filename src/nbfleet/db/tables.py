@@ -8,7 +8,17 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from nbfleet.db.types import UTCDateTime
@@ -34,6 +44,12 @@ class Project(Base):
     #: Suspend this project's idle workspaces after this many seconds (None: the
     #: platform default, 0: never).
     idle_suspend_s: Mapped[int | None] = mapped_column(Integer)
+    #: GPU jobs: the project's fair-share weight, the GPUs preemption never takes
+    #: it below, and caps on its running and queued jobs (None: no cap).
+    job_weight: Mapped[float] = mapped_column(Float, default=1.0, server_default="1")
+    job_guarantee_gpus: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    job_max_running: Mapped[int | None] = mapped_column(Integer)
+    job_max_queued: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[datetime]
 
 

@@ -20,6 +20,15 @@ WORKSPACE_TRANSITIONS = Counter(
 CREDIT_BUDGET_ALERTS = Counter(
     "nbfleet_credit_budget_alerts_total", "Soft budget limits crossed", ["level"]
 )
+JOB_TRANSITIONS = Counter(
+    "nbfleet_job_transitions_total", "Job state changes", ["from_state", "to_state"]
+)
+JOB_ATTEMPTS = Counter(
+    "nbfleet_job_attempts_total", "Job attempts ended, by outcome", ["outcome"]
+)
+JOB_DISPATCH = Counter(
+    "nbfleet_job_dispatch_total", "Dispatcher decisions", ["decision"]
+)
 CREDIT_DECISIONS = Counter(
     "nbfleet_credit_decisions_total", "Credit ledger decisions", ["action", "outcome"]
 )

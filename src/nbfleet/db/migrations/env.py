@@ -5,7 +5,10 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import text
 
-from nbfleet.db import credit_tables  # noqa: F401  (registers the ledger's tables)
+from nbfleet.db import (
+    credit_tables,  # noqa: F401  (registers the ledger's tables)
+    job_tables,  # noqa: F401  (registers the jobs tables)
+)
 from nbfleet.db.tables import Base
 
 config = context.config

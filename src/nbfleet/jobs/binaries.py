@@ -1,0 +1,197 @@
+"""The binary registry and safe rollouts: stable, canary, automatic rollback.
+
+Per binary name, one version is ``stable`` and at most one is ``canary``. An
+unpinned job goes to the canary when ``model.jobs.routes_to_canary`` says so (a
+stable hash of its id against ``canary_percent``), otherwise to stable. Each ended
+attempt of a canary counts towards its failure rate, binary failures apart from
+infrastructure ones; past the threshold the canary is rolled back: it stops
+taking new jobs, and unpinned jobs routed to it that have not started yet move to
+the stable version. Jobs pinned to a version keep it, rolled back or not.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from nbfleet.db.ids import new_id
+from nbfleet.db.job_tables import BinaryVersion, Job
+from nbfleet.model.errors import Conflict, InvalidInput, NotFound
+from nbfleet.model.jobs import Blame, CanaryRule, JobState, routes_to_canary, should_roll_back
+from nbfleet.web.render import iso
+
+STABLE = "stable"
+CANARY = "canary"
+ROLLED_BACK = "rolled_back"
+RETIRED = "retired"
+
+_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,99}$")
+_VERSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,49}$")
+
+
+def view(row: BinaryVersion) -> dict[str, Any]:
+    failure_rate = row.binary_failures / row.attempts if row.attempts else None
+    return {"id": row.id, "name": row.name, "version": row.version, "command": row.command,
+            "state": row.state, "canary_percent": row.canary_percent,
+            "failure_threshold": row.failure_threshold, "min_samples": row.min_samples,
+            "attempts": row.attempts, "binary_failures": row.binary_failures,
+            "infra_failures": row.infra_failures, "failure_rate": failure_rate,
+            "reason": row.reason, "created_at": iso(row.created_at),
+            "updated_at": iso(row.updated_at)}
+
+
+def _versions(session: Session, name: str, for_update: bool = False) -> list[BinaryVersion]:
+    query = select(BinaryVersion).where(BinaryVersion.name == name).order_by(BinaryVersion.id)
+    if for_update:
+        query = query.with_for_update()
+    return list(session.execute(query).scalars())
+
+
+def versions(session: Session, name: str | None = None) -> list[BinaryVersion]:
+    query = select(BinaryVersion).order_by(BinaryVersion.name, BinaryVersion.id)
+    if name is not None:
+        query = query.where(BinaryVersion.name == name)
+    return list(session.execute(query).scalars())
+
+
+def register(session: Session, name: str, version: str, command: list[str],
+             canary_percent: int, rule: CanaryRule, now: datetime) -> BinaryVersion:
+    """Add a version. The first version of a name is stable; a later one is a
+    canary taking ``canary_percent`` of new jobs (0: registered, not routed yet)."""
+    if not _NAME.match(name):
+        raise InvalidInput(f"invalid binary name {name!r}: lower-case letters, digits, "
+                           "'.', '_' or '-'", field="name")
+    if not _VERSION.match(version):
+        raise InvalidInput(f"invalid version {version!r}", field="version")
+    if not command or any(not part or "\x00" in part for part in command):
+        raise InvalidInput("command must be a non-empty list of non-empty strings",
+                           field="command")
+    if not 0 <= canary_percent <= 100:
+        raise InvalidInput("canary_percent must be between 0 and 100", field="canary_percent")
+    existing = _versions(session, name, for_update=True)
+    if any(row.version == version for row in existing):
+        raise Conflict(f"binary {name} {version} is already registered")
+    live_canary = [row for row in existing if row.state == CANARY]
+    if live_canary:
+        raise Conflict(f"binary {name} already has a canary ({live_canary[0].version}); "
+                       "promote or roll it back first")
+    state = STABLE if not any(row.state == STABLE for row in existing) else CANARY
+    row = BinaryVersion(id=new_id("bin"), name=name, version=version, command=list(command),
+                        state=state, canary_percent=canary_percent if state == CANARY else 0,
+                        failure_threshold=rule.failure_threshold, min_samples=rule.min_samples,
+                        attempts=0, binary_failures=0, infra_failures=0, reason=None,
+                        created_at=now, updated_at=now)
+    session.add(row)
+    session.flush()
+    return row
+
+
+def get(session: Session, name: str, version: str, for_update: bool = False) -> BinaryVersion:
+    query = select(BinaryVersion).where(BinaryVersion.name == name,
+                                        BinaryVersion.version == version)
+    if for_update:
+        query = query.with_for_update()
+    row = session.execute(query).scalar_one_or_none()
+    if row is None:
+        raise NotFound(f"no binary {name} version {version}")
+    return row
+
+
+def resolve(session: Session, name: str, version: str | None,
+            job_id: str) -> BinaryVersion:
+    """The version a new job runs: the pinned one, or stable/canary by routing."""
+    if version is not None:
+        row = get(session, name, version)
+        if row.state == RETIRED:
+            raise InvalidInput(f"binary {name} {version} is retired", field="version")
+        return row
+    rows = versions(session, name)
+    if not rows:
+        raise NotFound(f"no binary named {name}")
+    stable = next((r for r in rows if r.state == STABLE), None)
+    canary = next((r for r in rows if r.state == CANARY), None)
+    if canary is not None and (stable is None or routes_to_canary(job_id, canary.canary_percent)):
+        return canary
+    if stable is None:
+        raise NotFound(f"binary {name} has no stable version")
+    return stable
+
+
+def set_canary_percent(session: Session, name: str, version: str, percent: int,
+                       now: datetime) -> BinaryVersion:
+    if not 0 <= percent <= 100:
+        raise InvalidInput("canary_percent must be between 0 and 100", field="canary_percent")
+    row = get(session, name, version, for_update=True)
+    if row.state != CANARY:
+        raise Conflict(f"{name} {version} is {row.state}, not a canary")
+    row.canary_percent = percent
+    row.updated_at = now
+    return row
+
+
+def promote(session: Session, name: str, version: str, now: datetime) -> BinaryVersion:
+    """Make a version stable; the old stable version is retired from routing
+    (pinned jobs may still name it)."""
+    rows = _versions(session, name, for_update=True)
+    target = next((r for r in rows if r.version == version), None)
+    if target is None:
+        raise NotFound(f"no binary {name} version {version}")
+    for row in rows:
+        if row.state == STABLE and row is not target:
+            row.state = RETIRED
+            row.updated_at = now
+    target.state = STABLE
+    target.canary_percent = 0
+    target.reason = None
+    target.updated_at = now
+    return target
+
+
+def roll_back(session: Session, row: BinaryVersion, reason: str, now: datetime) -> int:
+    """Stop routing to a canary and move its unstarted unpinned jobs to stable.
+
+    Returns how many queued jobs moved. The caller holds the version row's lock.
+    """
+    if row.state != CANARY:
+        raise Conflict(f"{row.name} {row.version} is {row.state}, not a canary")
+    row.state = ROLLED_BACK
+    row.canary_percent = 0
+    row.reason = reason
+    row.updated_at = now
+    stable = next((r for r in versions(session, row.name) if r.state == STABLE), None)
+    if stable is None:
+        return 0
+    moved = session.execute(
+        update(Job)
+        .where(Job.binary == row.name, Job.version == row.version, Job.pinned.is_(False),
+               Job.state == JobState.QUEUED, Job.attempt == 0)
+        .values(version=stable.version, updated_at=now)
+    )
+    return int(getattr(moved, "rowcount", 0) or 0)
+
+
+def record_attempt(session: Session, name: str, version: str, blame: Blame,
+                   now: datetime) -> str | None:
+    """Count one ended attempt against its version; roll a failing canary back.
+
+    Returns the rollback reason when this attempt tipped it over.
+    """
+    row = get(session, name, version, for_update=True)
+    if blame == Blame.INFRA:
+        row.infra_failures += 1
+    else:
+        row.attempts += 1
+        row.binary_failures += blame == Blame.BINARY
+    row.updated_at = now
+    rule = CanaryRule(row.failure_threshold, row.min_samples)
+    if row.state == CANARY and blame != Blame.INFRA and should_roll_back(
+            rule, row.attempts, row.binary_failures):
+        reason = (f"rolled back automatically: {row.binary_failures} of {row.attempts} "
+                  f"attempts failed (threshold {row.failure_threshold:.0%})")
+        roll_back(session, row, reason, now)
+        return reason
+    return None
