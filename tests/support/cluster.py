@@ -82,13 +82,15 @@ class Cluster:
                    what="control plane health")
 
     def start_agent(self, name: str = "agent1", env: dict[str, str] | None = None,
-                    warm_pool: int = 0) -> None:
+                    warm_pool: int = 0, args: tuple[str, ...] = (),
+                    gpus: str | None = None) -> None:
         """Agents start without a warm pool unless asked: each warm kernel costs a
         kernel start, and most tests do not resume."""
         before = self._boot_ids()
         self.agents[name] = self._spawn(name, [
             "agent", "--control", self.url, "--state-dir", str(self.root / name),
-            "--gpus", self.gpus, "--warm-pool", str(warm_pool), "--log-level", "info"],
+            "--gpus", gpus or self.gpus, "--warm-pool", str(warm_pool), "--log-level", "info",
+            *args],
             self._env(env))
         agent_id_file = self.root / name / "agent-id"
 

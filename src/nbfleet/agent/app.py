@@ -13,6 +13,7 @@ from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response, WebSo
 from prometheus_client import Gauge
 from pydantic import BaseModel, Field
 
+from nbfleet.agent.jobs import JobSpec
 from nbfleet.agent.kernel_process import Client, KernelProcess
 from nbfleet.agent.service import AgentService
 from nbfleet.agent.statesync import SuspendOptions
@@ -50,6 +51,26 @@ class Suspend(BaseModel):
 
 class AddKernel(KernelRef):
     generation: int = Field(ge=1)
+
+
+class StartJob(BaseModel):
+    job_id: str
+    attempt: int = Field(ge=1)
+    command: list[str] = Field(min_length=1)
+    args: dict[str, str | int | float | bool] = {}
+    gpu_indices: list[int] = []
+    gpu_type: str = ""
+    timeout_s: int = Field(gt=0)
+    idle_timeout_s: int = Field(gt=0)
+    memory_mb: int = Field(gt=0)
+    kill_grace_s: float = Field(ge=0)
+    blob_prefix: str
+
+
+class StopJob(BaseModel):
+    attempt: int = Field(ge=1)
+    reason: Literal["cancel", "preempt", "stale"]
+    grace_s: float = Field(10.0, ge=0, le=3600)
 
 
 def create_agent_app(service: AgentService) -> FastAPI:
@@ -137,6 +158,19 @@ def create_agent_app(service: AgentService) -> FastAPI:
         kernel = service.manager.get_kernel(kernel_id)
         await kernel.restart()
         return kernel.model()
+
+    @api.post("/jobs")
+    async def start_job(body: StartJob) -> dict[str, Any]:
+        return await service.job_runner.start(JobSpec(**body.model_dump()))
+
+    @api.post("/jobs/{job_id}/stop", status_code=202)
+    async def stop_job(job_id: str, body: StopJob) -> dict[str, Any]:
+        return {"stopping": service.job_runner.stop(job_id, body.attempt, body.reason,
+                                                    body.grace_s)}
+
+    @api.get("/jobs")
+    async def list_jobs() -> list[dict[str, Any]]:
+        return service.job_runner.attempts()
 
     app.include_router(api)
 

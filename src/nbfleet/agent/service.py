@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 from jupyter_client.kernelspec import KernelSpecManager
 
+from nbfleet.agent.jobs import JobRunner
 from nbfleet.agent.runtimes import RuntimeManager
 from nbfleet.agent.sandbox import make_sandbox
 from nbfleet.model.resources import HostInventory, parse_gpu_spec
@@ -45,6 +46,8 @@ class AgentConfig:
     memory_mb: int = field(
         default_factory=lambda: os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20
     )
+    #: Seconds between job heartbeats (progress, usage, log chunks) while jobs run.
+    job_heartbeat_s: float = 2.0
 
 
 def load_agent_id(state_dir: str) -> str:
@@ -68,6 +71,29 @@ def kernelspecs() -> dict[str, Any]:
     }
 
 
+class ControlReporter:
+    """The job runner's reports, over the agent's authenticated client."""
+
+    def __init__(self, http: httpx.AsyncClient, agent_id: str, boot_id: str) -> None:
+        self._http = http
+        self._who = {"agent_id": agent_id, "boot_id": boot_id}
+
+    async def heartbeat(self, attempts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        response = await self._http.post("/internal/jobs/heartbeats",
+                                         json={**self._who, "attempts": attempts})
+        response.raise_for_status()
+        directives: list[dict[str, Any]] = response.json().get("directives", [])
+        return directives
+
+    async def finish(self, job_id: str, attempt: int, facts: dict[str, Any]) -> bool:
+        response = await self._http.post(f"/internal/jobs/{job_id}/attempts/{attempt}/finish",
+                                         json={**self._who, **facts})
+        if response.status_code in (404, 409):
+            return False  # the control plane has moved on from this attempt
+        response.raise_for_status()
+        return True
+
+
 class AgentService:
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
@@ -76,6 +102,7 @@ class AgentService:
         self.inventory = HostInventory(config.millicpus, config.memory_mb,
                                        parse_gpu_spec(config.gpus))
         self.runtimes: RuntimeManager | None = None
+        self.jobs: JobRunner | None = None
         self.state_dir = os.path.realpath(config.state_dir)
         # IPC socket paths must fit in 107 bytes, so they live under a short path.
         self.sockets_dir = os.path.join(tempfile.gettempdir(), f"nbfleet-{self.agent_id}")
@@ -95,6 +122,12 @@ class AgentService:
         if self.runtimes is None:
             raise RuntimeError("agent is not registered yet")
         return self.runtimes
+
+    @property
+    def job_runner(self) -> JobRunner:
+        if self.jobs is None:
+            raise RuntimeError("agent is not registered yet")
+        return self.jobs
 
     def registration(self) -> dict[str, Any]:
         return {
@@ -137,6 +170,14 @@ class AgentService:
                 warm_pool=self.config.warm_pool,
             )
             self.runtimes.pool.start()
+        if self.jobs is None:
+            # Opening the runner kills the jobs a previous boot of this host left.
+            self.jobs = JobRunner(
+                self.state_dir, BlobStore(body["blobs_url"]),
+                ControlReporter(self._http, self.agent_id, self.boot_id),
+                heartbeat_s=self.config.job_heartbeat_s,
+            )
+            await self.jobs.open()
         log.info("registered as %s (%s)", self.agent_id, self.boot_id)
 
     async def heartbeat_forever(self) -> None:
@@ -161,6 +202,8 @@ class AgentService:
             beat.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await beat
+            if self.jobs is not None:
+                await self.jobs.close()
             if self.runtimes is not None:
                 await self.runtimes.shutdown()
             shutil.rmtree(self.sockets_dir, ignore_errors=True)

@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.panel import Panel
 
-from nbfleet.cli import credit, sim, users, ws
+from nbfleet.cli import credit, job, sim, users, ws
 from nbfleet.cli.home import DEFAULT_PORT, home_dir, sqlite_url
 from nbfleet.model.errors import DomainError
 from nbfleet.model.resources import parse_gpu_spec
@@ -30,6 +30,8 @@ app = typer.Typer(
 app.add_typer(ws.app, name="ws")
 app.add_typer(users.app, name="user")
 app.add_typer(credit.app, name="credit")
+app.add_typer(job.app, name="job")
+app.add_typer(job.binaries, name="binary")
 app.command("sim")(sim.sim)
 console = Console(stderr=True)
 
@@ -42,6 +44,9 @@ SANDBOX_OPT = typer.Option(
 )
 WARM_POOL_OPT = typer.Option(1, "--warm-pool", min=0, max=64,
                              help="Warm kernels kept ready for fast resumes (0: none)")
+JOB_HEARTBEAT_OPT = typer.Option(
+    2.0, "--job-heartbeat", min=0.05, max=60,
+    help="Seconds between the agent's job reports (progress, GPU usage, log chunks)")
 IDLE_OPT = typer.Option(
     3600.0, "--idle-suspend", min=0,
     help="Suspend a workspace idle this many seconds (0: never); projects may override",
@@ -68,6 +73,40 @@ RATE_STORAGE_OPT = typer.Option(
     help="Where requests are counted: memory:// (per process) or redis://host:6379 "
          "(shared by all control-plane replicas)",
 )
+
+TIERS_OPT = typer.Option("free=0,paid=10", "--job-tiers",
+                         help="Job priority tiers, NAME=PRIORITY; higher goes first")
+PRICES_OPT = typer.Option("default=1", "--gpu-prices",
+                          help="Credits per GPU-hour by GPU type, e.g. "
+                               "'default=1,A100-80GB=2.5,H100-80GB=4'")
+JOB_HEARTBEAT_TIMEOUT_OPT = typer.Option(
+    15.0, "--job-heartbeat-timeout", min=0.5,
+    help="Seconds without a heartbeat before a job attempt counts as lost")
+JOB_GRACE_OPT = typer.Option(10.0, "--job-kill-grace", min=0,
+                             help="Seconds between SIGTERM and SIGKILL when a job is stopped")
+JOB_RETENTION_OPT = typer.Option(7 * 86400.0, "--job-result-retention", min=1,
+                                 help="Seconds job results and logs are kept")
+JOB_BACKOFF_OPT = typer.Option(2.0, "--job-retry-backoff", min=0,
+                               help="Base of the exponential retry backoff, seconds")
+JOB_DISPATCH_OPT = typer.Option(1.0, "--job-dispatch-interval", min=0.01,
+                                help="Seconds between dispatch passes when nothing wakes it")
+
+
+def _job_options(tiers: str, prices: str, heartbeat_timeout: float, grace: float,
+                 retention: float, backoff: float, interval: float) -> dict[str, Any]:
+    """The job settings for ControlConfig; exits with a message if one is invalid."""
+    from nbfleet.control.platform import ControlConfig
+
+    options: dict[str, Any] = {"job_tiers": tiers, "gpu_prices": prices,
+               "job_heartbeat_timeout_s": heartbeat_timeout, "job_kill_grace_s": grace,
+               "job_result_retention_s": retention, "job_backoff_base_s": backoff,
+               "job_dispatch_interval_s": interval}
+    try:
+        ControlConfig(db_url="", blobs_url="", secret="", **options).job_settings()
+    except DomainError as exc:
+        console.print(f"[red]error:[/red] {exc.detail}")
+        raise typer.Exit(2) from exc
+    return options
 
 
 def _check_agent_options(gpus: str, sandbox: str) -> None:
@@ -151,6 +190,14 @@ def up(
     credit_reap_interval: float = CREDIT_REAP_OPT,
     rate_limit: str = RATE_LIMIT_OPT,
     rate_limit_storage: str = RATE_STORAGE_OPT,
+    job_tiers: str = TIERS_OPT,
+    gpu_prices: str = PRICES_OPT,
+    job_heartbeat_timeout: float = JOB_HEARTBEAT_TIMEOUT_OPT,
+    job_kill_grace: float = JOB_GRACE_OPT,
+    job_result_retention: float = JOB_RETENTION_OPT,
+    job_retry_backoff: float = JOB_BACKOFF_OPT,
+    job_dispatch_interval: float = JOB_DISPATCH_OPT,
+    job_heartbeat: float = JOB_HEARTBEAT_OPT,
     log_level: str = LOG_OPT,
 ) -> None:
     """Run the whole platform on this machine: control plane + one agent, SQLite, local blobs."""
@@ -171,12 +218,16 @@ def up(
                  "suspend_busy_timeout_s": suspend_busy_timeout,
                  "cull_interval_s": cull_interval, "rate_limit": rate_limit,
                  "credit_reap_interval_s": credit_reap_interval,
-                 "rate_limit_storage": rate_limit_storage}
+                 "rate_limit_storage": rate_limit_storage,
+                 **_job_options(job_tiers, gpu_prices, job_heartbeat_timeout, job_kill_grace,
+                                job_result_retention, job_retry_backoff,
+                                job_dispatch_interval)}
     control, url, token = _control(state, None, None, None, host, port, log_level, lifecycle)
     agent = agent_server(
         AgentConfig(control_url=url, secret=load_or_create_secret(state / "cluster-secret"),
                     state_dir=str(state / "agent"), gpus=gpus, sandbox=sandbox,
-                    hidden_paths=[str(state)], warm_pool=warm_pool),
+                    hidden_paths=[str(state)], warm_pool=warm_pool,
+                    job_heartbeat_s=job_heartbeat),
         "127.0.0.1", 0, log_level,
     )
     _banner(url, token, state)
@@ -202,6 +253,13 @@ def control(
     credit_reap_interval: float = CREDIT_REAP_OPT,
     rate_limit: str = RATE_LIMIT_OPT,
     rate_limit_storage: str = RATE_STORAGE_OPT,
+    job_tiers: str = TIERS_OPT,
+    gpu_prices: str = PRICES_OPT,
+    job_heartbeat_timeout: float = JOB_HEARTBEAT_TIMEOUT_OPT,
+    job_kill_grace: float = JOB_GRACE_OPT,
+    job_result_retention: float = JOB_RETENTION_OPT,
+    job_retry_backoff: float = JOB_BACKOFF_OPT,
+    job_dispatch_interval: float = JOB_DISPATCH_OPT,
     log_level: str = LOG_OPT,
 ) -> None:
     """Run the control plane alone (agents join with `nbfleet agent`)."""
@@ -215,7 +273,10 @@ def control(
                  "suspend_busy_timeout_s": suspend_busy_timeout,
                  "cull_interval_s": cull_interval, "rate_limit": rate_limit,
                  "credit_reap_interval_s": credit_reap_interval,
-                 "rate_limit_storage": rate_limit_storage}
+                 "rate_limit_storage": rate_limit_storage,
+                 **_job_options(job_tiers, gpu_prices, job_heartbeat_timeout, job_kill_grace,
+                                job_result_retention, job_retry_backoff,
+                                job_dispatch_interval)}
     serving, url, token = _control(state, db, blobs, secret, host, port, log_level, lifecycle)
     _banner(url, token, state)
     asyncio.run(serve_all([serving]))
@@ -233,6 +294,7 @@ def agent(
     port: int = typer.Option(0, help="0 picks a free port"),
     sandbox: str = SANDBOX_OPT,
     warm_pool: int = WARM_POOL_OPT,
+    job_heartbeat: float = JOB_HEARTBEAT_OPT,
     log_level: str = LOG_OPT,
 ) -> None:
     """Run one agent (host) that registers with a control plane."""
@@ -248,7 +310,7 @@ def agent(
         AgentConfig(control_url=control_url.rstrip("/"), secret=secret,
                     state_dir=state_dir or str(state / "agent"), gpus=gpus,
                     release_delay_s=release_delay, sandbox=sandbox, hidden_paths=[str(state)],
-                    warm_pool=warm_pool),
+                    warm_pool=warm_pool, job_heartbeat_s=job_heartbeat),
         host, port, log_level,
     )
     asyncio.run(serve_all([serving]))

@@ -86,6 +86,15 @@ class AgentClient:
     async def delete_file(self, base: str, workspace_id: str, path: str) -> None:
         await self._call("DELETE", f"{base}/agent/v1/runtimes/{workspace_id}/files/{path}")
 
+    async def start_job(self, base: str, body: dict[str, Any]) -> dict[str, Any]:
+        result: dict[str, Any] = await self._call("POST", f"{base}/agent/v1/jobs", json=body)
+        return result
+
+    async def stop_job(self, base: str, job_id: str, attempt: int, reason: str,
+                       grace_s: float) -> None:
+        await self._call("POST", f"{base}/agent/v1/jobs/{job_id}/stop",
+                         json={"attempt": attempt, "reason": reason, "grace_s": grace_s})
+
     @staticmethod
     def channels_url(base: str, kernel_id: str) -> str:
         return base.replace("http", "ws", 1) + f"/agent/v1/kernels/{kernel_id}/channels"

@@ -9,17 +9,19 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Response
 
 from nbfleet import __version__
-from nbfleet.control import credit_reaper, culler, housekeeping, leases
+from nbfleet.control import credit_reaper, culler, housekeeping, job_dispatcher, leases
 from nbfleet.control.platform import ControlConfig, Platform
 from nbfleet.control.reconciler import LEASE, Reconciler
 from nbfleet.control.routers import (
     admin,
+    binaries,
     budgets,
     credits,
     files,
     gateway,
     holds,
     internal,
+    jobs,
     workspaces,
 )
 from nbfleet.db.migrate import upgrade
@@ -41,7 +43,8 @@ def create_app(config: ControlConfig, run_reconciler: bool = True) -> FastAPI:
             tasks = [asyncio.create_task(Reconciler(platform).run_forever()),
                      asyncio.create_task(housekeeping.run_forever(platform)),
                      asyncio.create_task(culler.run_forever(platform)),
-                     asyncio.create_task(credit_reaper.run_forever(platform))]
+                     asyncio.create_task(credit_reaper.run_forever(platform)),
+                     asyncio.create_task(job_dispatcher.JobDispatcher(platform).run_forever())]
         try:
             yield
         finally:
@@ -50,7 +53,7 @@ def create_app(config: ControlConfig, run_reconciler: bool = True) -> FastAPI:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             # Let another replica take over now.
-            for lease in (LEASE, housekeeping.LEASE, culler.LEASE):
+            for lease in (LEASE, housekeeping.LEASE, culler.LEASE, job_dispatcher.LEASE):
                 await asyncio.to_thread(leases.release, platform.db, lease, platform.instance_id)
             await platform.aclose()
 
@@ -66,8 +69,10 @@ def create_app(config: ControlConfig, run_reconciler: bool = True) -> FastAPI:
                            exempt=frozenset({token_key(config.secret)}))
     app.add_middleware(TimingMiddleware, name="control")
     install_problem_handlers(app)
-    for module in (workspaces, files, gateway, admin, internal, credits, budgets, holds):
+    for module in (workspaces, files, gateway, admin, internal, credits, budgets, holds, jobs,
+                   binaries):
         app.include_router(module.router)
+    app.include_router(jobs.download)
 
     @app.get("/healthz", tags=["ops"], summary="Liveness")
     def healthz() -> dict[str, str]:

@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 
 from nbfleet.control.agent_client import AgentClient
 from nbfleet.db.engine import Database
+from nbfleet.jobs.settings import JobSettings
+from nbfleet.model.jobs import RetryRules, parse_tiers
+from nbfleet.model.pricing import parse_prices
 from nbfleet.storage.blobs import BlobStore
 from nbfleet.storage.files import WorkspaceFiles
 
@@ -33,6 +36,25 @@ class ControlConfig:
     #: where they are counted: "memory://" per replica, "redis://…" across replicas.
     rate_limit: str = "100/second;3000/minute"
     rate_limit_storage: str = "memory://"
+    #: GPU jobs: priority tiers, prices (credits per GPU-hour by type), and the
+    #: rest of ``JobSettings``.
+    job_tiers: str = "free=0,paid=10"
+    gpu_prices: str = "default=1"
+    job_heartbeat_timeout_s: float = 15.0
+    job_kill_grace_s: float = 10.0
+    job_result_retention_s: float = 7 * 86400.0
+    job_backoff_base_s: float = 2.0
+    #: Seconds between dispatch passes when nothing wakes the dispatcher sooner.
+    job_dispatch_interval_s: float = 1.0
+
+    def job_settings(self) -> JobSettings:
+        """Raises ``InvalidInput`` for a bad tier or price list."""
+        return JobSettings(
+            tiers=parse_tiers(self.job_tiers), prices=parse_prices(self.gpu_prices),
+            retry=RetryRules(backoff_base_s=self.job_backoff_base_s,
+                             backoff_cap_s=max(300.0, self.job_backoff_base_s)),
+            heartbeat_timeout_s=self.job_heartbeat_timeout_s,
+            result_retention_s=self.job_result_retention_s, kill_grace_s=self.job_kill_grace_s)
 
 
 @dataclass
@@ -42,6 +64,9 @@ class Platform:
     blobs: BlobStore = field(init=False)
     files: WorkspaceFiles = field(init=False)
     agents: AgentClient = field(init=False)
+    jobs: JobSettings = field(init=False)
+    #: Set to run a dispatch pass now (the job dispatcher waits on it).
+    jobs_wake: asyncio.Event | None = None
     instance_id: str = field(default_factory=lambda: f"ctl_{secrets.token_hex(6)}")
     _wake: asyncio.Event | None = None
     _loop: asyncio.AbstractEventLoop | None = None
@@ -52,6 +77,7 @@ class Platform:
         self.blobs = BlobStore(self.config.blobs_url)
         self.files = WorkspaceFiles(self.blobs)
         self.agents = AgentClient(self.config.secret)
+        self.jobs = self.config.job_settings()
 
     def bind_loop(self) -> asyncio.Event:
         self._loop = asyncio.get_running_loop()
@@ -82,6 +108,17 @@ class Platform:
         """Nudge the reconciler now instead of at its next tick (thread-safe)."""
         if self._loop is not None and self._wake is not None:
             self._loop.call_soon_threadsafe(self._wake.set)
+
+    def bind_jobs_loop(self) -> asyncio.Event:
+        self._loop = self._loop or asyncio.get_running_loop()
+        self.jobs_wake = asyncio.Event()
+        return self.jobs_wake
+
+    def wake_jobs(self) -> None:
+        """Nudge this replica's job dispatcher (thread-safe); other replicas hear
+        of the change through PostgreSQL's NOTIFY."""
+        if self._loop is not None and self.jobs_wake is not None:
+            self._loop.call_soon_threadsafe(self.jobs_wake.set)
 
     async def aclose(self) -> None:
         await self.agents.aclose()

@@ -108,15 +108,29 @@ def write_secret(path: str, value: str) -> None:
     os.chmod(path, 0o600)
 
 
+def _locked_project(session: Session, org_name: str, project_name: str) -> Project:
+    project = session.execute(
+        select(Project).join(Org, Org.id == Project.org_id)
+        .where(Org.name == org_name, Project.name == project_name)
+        .with_for_update()
+    ).scalar_one_or_none()
+    if project is None:
+        raise NotFound(f"project {org_name}/{project_name} not found")
+    return project
+
+
 def set_idle_suspend(db: Database, org_name: str, project_name: str,
                      seconds: int | None) -> None:
     """A project's own idle-suspend timeout (None: the platform default, 0: never)."""
     with db.transaction() as session:
-        project = session.execute(
-            select(Project).join(Org, Org.id == Project.org_id)
-            .where(Org.name == org_name, Project.name == project_name)
-            .with_for_update()
-        ).scalar_one_or_none()
-        if project is None:
-            raise NotFound(f"project {org_name}/{project_name} not found")
-        project.idle_suspend_s = seconds
+        _locked_project(session, org_name, project_name).idle_suspend_s = seconds
+
+
+def set_job_settings(db: Database, org_name: str, project_name: str, weight: float,
+                     guarantee_gpus: int, max_running: int | None,
+                     max_queued: int | None) -> None:
+    """A project's fair-share weight, preemption guarantee and job quotas."""
+    with db.transaction() as session:
+        project = _locked_project(session, org_name, project_name)
+        project.job_weight, project.job_guarantee_gpus = weight, guarantee_gpus
+        project.job_max_running, project.job_max_queued = max_running, max_queued

@@ -35,7 +35,7 @@ class BinaryVersion(Base):
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
     name: Mapped[str] = mapped_column(String(100))
     version: Mapped[str] = mapped_column(String(50))
-    #: argv prefix; arguments follow as ``--name value`` flags.
+    #: argv prefix; arguments follow as ``--name=value`` flags.
     command: Mapped[list[str]] = mapped_column(JSON)
     #: stable | canary | rolled_back | retired
     state: Mapped[str] = mapped_column(String(20))
@@ -86,6 +86,7 @@ class Job(Base):
     hold_id: Mapped[str | None] = mapped_column(String(40))
     #: The rate the admission hold was priced at (the dearest acceptable type).
     max_rate: Mapped[int] = mapped_column(BigInteger)
+    max_rate_type: Mapped[str] = mapped_column(String(40))
     host_id: Mapped[str | None] = mapped_column(String(40))
     gpu_type: Mapped[str | None] = mapped_column(String(40))
     avoid_hosts: Mapped[list[str]] = mapped_column(JSON)
@@ -97,7 +98,8 @@ class Job(Base):
     quarantined: Mapped[bool] = mapped_column(default=False)
     fingerprint: Mapped[str] = mapped_column(String(64), index=True)
     #: [{"name", "key", "size", "sha256"}] once it succeeded; cleared at retention.
-    result: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)
+    result: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON(none_as_null=True))
+    #: When the job's blobs (result and logs) are deleted; None once they are.
     result_expires_at: Mapped[datetime | None] = mapped_column(index=True)
     created_at: Mapped[datetime]
     updated_at: Mapped[datetime]

@@ -30,6 +30,7 @@ from nbfleet.policy.gpu_fit import choose_gpus
 CHANNEL = "nbfleet_jobs"
 #: Holds outlive any queue wait and run; the job watchdog settles them first.
 HOLD_LEASE_S = holds.MAX_LEASE_S
+DEFAULT_IDLE_TIMEOUT_S = 300
 
 
 class QuotaExceeded(DomainError):
@@ -54,7 +55,8 @@ class JobRequest:
     vram_gb: int = 0
     memory_mb: int | None = None
     timeout_s: int = 3600
-    idle_timeout_s: int = 300
+    #: None: 300 s, or the timeout if that is shorter.
+    idle_timeout_s: int | None = None
     max_attempts: int = 3
     tier: str = "free"
     preemptible: bool = False
@@ -67,7 +69,7 @@ def _check(request: JobRequest, settings: JobSettings) -> None:
     if not 1 <= request.timeout_s <= settings.max_timeout_s:
         raise InvalidInput(f"timeout_s must be between 1 and {settings.max_timeout_s}",
                            field="timeout_s")
-    if not 1 <= request.idle_timeout_s <= request.timeout_s:
+    if request.idle_timeout_s is not None and not 1 <= request.idle_timeout_s <= request.timeout_s:
         raise InvalidInput("idle_timeout_s must be between 1 and timeout_s",
                            field="idle_timeout_s")
     if not 1 <= request.max_attempts <= 20:
@@ -149,17 +151,19 @@ def submit(session: Session, tenant: Tenant, request: JobRequest, settings: JobS
         pinned=request.version is not None, args=args, gpus=request.gpus,
         gpu_types=list(request.gpu_types), vram_gb=request.vram_gb,
         memory_mb=request.memory_mb or settings.default_memory_mb,
-        timeout_s=request.timeout_s, idle_timeout_s=request.idle_timeout_s,
+        timeout_s=request.timeout_s,
+        idle_timeout_s=request.idle_timeout_s or min(DEFAULT_IDLE_TIMEOUT_S, request.timeout_s),
         max_attempts=request.max_attempts, tier=request.tier,
         priority=settings.tiers[request.tier], preemptible=request.preemptible,
-        state=JobState.QUEUED, attempt=0, hold_id=None, max_rate=rate, host_id=None,
+        state=JobState.QUEUED, attempt=0, hold_id=None, max_rate=rate, max_rate_type=gpu_type,
+        host_id=None,
         gpu_type=None, avoid_hosts=[], next_attempt_at=None, cancel_requested=False,
         preempt_requested=False, reason=None, quarantined=False, fingerprint=fingerprint,
         result=None, result_expires_at=None, created_at=now, updated_at=now,
         started_at=None, finished_at=None)
     session.add(job)
     session.flush()
-    job.hold_id = reserve_attempt(session, job, 1, gpu_type, actor, now)
+    job.hold_id = reserve_attempt(session, job, 1, actor, now)
     submitted(session, job, now)
     notify(session)
     return job
@@ -170,12 +174,12 @@ def attempt_work_id(job_id: str, attempt: int) -> str:
     return f"{job_id}#{attempt}"
 
 
-def reserve_attempt(session: Session, job: Job, attempt: int, gpu_type: str,
-                    actor: audit.Actor, now: datetime) -> str:
+def reserve_attempt(session: Session, job: Job, attempt: int, actor: audit.Actor,
+                    now: datetime) -> str:
     """Hold credit for attempt ``attempt``: timeout x GPUs at the admission price."""
     hold, _created = holds.reserve(session, holds.HoldRequest(
         work_id=attempt_work_id(job.id, attempt), org_id=job.org_id,
-        project_id=job.project_id, user_id=job.owner_id, gpu_type=gpu_type,
+        project_id=job.project_id, user_id=job.owner_id, gpu_type=job.max_rate_type,
         rate_per_gpu_hour=job.max_rate,
         amount=hold_amount(job.timeout_s, job.gpus, job.max_rate), lease_s=HOLD_LEASE_S),
         actor, now)

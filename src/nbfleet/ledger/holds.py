@@ -8,7 +8,7 @@ than one hold's tenants (the reaper) settles each hold in its own transaction.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -299,6 +299,33 @@ def settle(session: Session, hold_id: str, reason: str, actor: audit.Actor,
         "settle", hold.id, hold.org_id, hold.project_id,
         moves[0].wallet_id if moves else None, before, {**snapshot(hold), "reason": reason})])
     return hold, True
+
+
+def reprice(session: Session, prices: Mapping[str, tuple[str, int]], actor: audit.Actor,
+            now: datetime) -> None:
+    """Fix the price of holds whose work is starting: hold id -> (GPU type, rate).
+
+    Work that may run on several GPU types holds at the dearest rate; when it
+    starts, the price becomes the bound type's. Only an active hold with nothing
+    metered yet may change, and only downwards, so what was held still covers it.
+    """
+    if not prices:
+        return
+    locked = lock(session, list(prices))
+    audits = []
+    for hold_id, (gpu_type, rate) in sorted(prices.items()):
+        hold = locked.get(hold_id)
+        if hold is None:
+            raise NotFound(f"hold {hold_id} not found")
+        if hold.state != ACTIVE or hold.gpu_ms or rate > hold.rate_per_gpu_hour:
+            raise Conflict(f"hold {hold_id} cannot be repriced (state {hold.state}, "
+                           f"{hold.gpu_ms} GPU-ms metered, rate {rate} > "
+                           f"{hold.rate_per_gpu_hour}?)")
+        before = {"gpu_type": hold.gpu_type, "rate_per_gpu_hour": hold.rate_per_gpu_hour}
+        hold.gpu_type, hold.rate_per_gpu_hour, hold.updated_at = gpu_type, rate, now
+        audits.append(audit.AuditRow("reprice", hold.id, hold.org_id, hold.project_id, None,
+                                     before, {"gpu_type": gpu_type, "rate_per_gpu_hour": rate}))
+    audit.record(session, actor, now, audits)
 
 
 def lock_buckets(session: Session, bucket_ids: Sequence[str]) -> dict[str, CreditBucket]:

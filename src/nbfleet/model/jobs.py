@@ -154,7 +154,8 @@ def retry_delay_s(failures: int, rules: RetryRules, jitter: float) -> float:
     """
     if not 0.0 <= jitter < 1.0:
         raise InvalidInput("jitter must be in [0, 1)")
-    ceiling = min(rules.backoff_cap_s, rules.backoff_base_s * 2.0 ** max(0, failures - 1))
+    doublings = min(max(0, failures - 1), 64)  # past 2^64 the cap has long applied
+    ceiling = min(rules.backoff_cap_s, rules.backoff_base_s * 2.0 ** doublings)
     return ceiling * jitter
 
 
@@ -179,10 +180,12 @@ def after_attempt(history: Sequence[AttemptEnd], max_attempts: int, *,
     """What the job does once the last attempt in ``history`` has ended."""
     last = history[-1]
     outcome = last.outcome
+    if outcome == Outcome.SUCCEEDED:
+        # A cancel that arrives as the work completes loses the race: the result
+        # exists and was paid for, so it is kept.
+        return Verdict(Next.DONE, JobState.SUCCEEDED, "succeeded")
     if cancel_requested or outcome == Outcome.CANCELLED:
         return Verdict(Next.DONE, JobState.CANCELLED, "cancelled")
-    if outcome == Outcome.SUCCEEDED:
-        return Verdict(Next.DONE, JobState.SUCCEEDED, "succeeded")
     if outcome == Outcome.PREEMPTED:
         return Verdict(Next.REQUEUE, JobState.QUEUED, "preempted")
     if outcome == Outcome.TIMED_OUT:
@@ -215,10 +218,10 @@ Scalar = str | int | float | bool
 
 
 def check_args(args: Mapping[str, object]) -> dict[str, Scalar]:
-    """Arguments become ``--name value`` flags: names are plain, values scalar."""
+    """Arguments become ``--name=value`` flags: names are plain, values scalar."""
     clean: dict[str, Scalar] = {}
     for name, value in args.items():
-        if not _ARG_NAME.match(name):
+        if not _ARG_NAME.fullmatch(name):
             raise InvalidInput(f"argument name {name!r} must be lower-case letters, digits, "
                                "'-' or '_', starting with a letter", field="args")
         if name in ("output-dir", "output_dir"):
@@ -237,18 +240,21 @@ def check_args(args: Mapping[str, object]) -> dict[str, Scalar]:
 
 
 def argv(command: Sequence[str], args: Mapping[str, Scalar], output_dir: str) -> list[str]:
-    """The command line: the binary's command, then ``--name value`` per argument
-    in name order, then ``--output-dir``. Booleans are bare flags when true."""
+    """The command line: the binary's command, then ``--name=value`` per argument
+    in name order, then ``--output-dir=DIR``. Booleans are bare flags when true.
+
+    One word per flag, with ``=``: a value is then never taken for an option of
+    its own (a prompt of ``--output-dir=/etc`` stays the prompt's text), as both
+    getopt and argparse read ``--name=value`` whole.
+    """
     line = list(command)
     for name in sorted(args):
         value = args[name]
         if value is True:
             line.append(f"--{name}")
-        elif value is False:
-            continue
-        else:
-            line += [f"--{name}", str(value)]
-    return [*line, "--output-dir", output_dir]
+        elif value is not False:
+            line.append(f"--{name}={value}")
+    return [*line, f"--output-dir={output_dir}"]
 
 
 def input_fingerprint(project_id: str, binary: str, version: str,
@@ -298,8 +304,10 @@ def parse_tiers(spec: str) -> dict[str, int]:
     tiers: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         name, sep, raw = part.partition("=")
-        if not sep or not _ARG_NAME.match(name.strip()):
+        if not sep or not _ARG_NAME.fullmatch(name.strip()):
             raise InvalidInput(f"invalid tier {part!r}: expected NAME=PRIORITY, e.g. paid=10")
+        if name.strip() in tiers:
+            raise InvalidInput(f"tier {name.strip()!r} is named twice")
         try:
             tiers[name.strip()] = int(raw)
         except ValueError as exc:

@@ -45,6 +45,7 @@ __all__ = [
     "RunningLoad",
     "Tenant",
     "UsageLedger",
+    "decayed",
     "order_queue",
 ]
 
@@ -117,13 +118,17 @@ class UsageLedger:
         if not (self.half_life_s > 0 and math.isfinite(self.half_life_s)):
             raise ValueError(f"half_life_s must be positive, got {self.half_life_s}")
 
+    @classmethod
+    def of(cls, half_life_s: float, samples: Mapping[str, tuple[float, float]]) -> UsageLedger:
+        """A ledger from stored (GPU-seconds, as of time) pairs per tenant."""
+        return cls(half_life_s, {t: _Sample(value, at) for t, (value, at) in samples.items()})
+
     def usage(self, tenant_id: str, now: float) -> float:
         """The tenant's decayed GPU-seconds at ``now``; 0 for an unknown tenant."""
         sample = self._samples.get(tenant_id)
         if sample is None:
             return 0.0
-        elapsed = max(0.0, now - sample.at)
-        return sample.value * math.pow(0.5, elapsed / self.half_life_s)
+        return decayed(sample.value, now - sample.at, self.half_life_s)
 
     def record(self, tenant_id: str, gpu_seconds: float, now: float) -> UsageLedger:
         """A new ledger with ``gpu_seconds`` more usage charged to the tenant at ``now``."""
@@ -139,6 +144,12 @@ class UsageLedger:
     def tenants(self) -> frozenset[str]:
         """The tenants with any recorded usage."""
         return frozenset(self._samples)
+
+
+def decayed(value: float, elapsed_s: float, half_life_s: float) -> float:
+    """``value`` after ``elapsed_s`` of exponential decay; time running backwards
+    counts as none."""
+    return value * math.pow(0.5, max(0.0, elapsed_s) / half_life_s)
 
 
 def _fifo_key(work: QueuedWork) -> tuple[float, str]:

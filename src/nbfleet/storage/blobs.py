@@ -44,6 +44,14 @@ class BlobStore:
                 raise InvalidInput(f"refusing {key!r}: it passes through a symlink", path=key)
         return path
 
+    def local_path(self, key: str) -> str:
+        """The file behind a key of a local store (to stream it without reading it
+        into memory); NotFound if there is none."""
+        path = self._path(key)
+        if not self.local or not os.path.isfile(path):
+            raise NotFound(f"no such file: {key}")
+        return path
+
     def put(self, key: str, data: bytes) -> None:
         path = self._path(key)
         if not self.local:

@@ -52,6 +52,24 @@ async def project_settings(org: str, project: str, body: ProjectSettings, reques
     return {"org": org, "project": project, "idle_suspend_s": body.idle_suspend_s}
 
 
+class JobSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    weight: float = Field(1.0, gt=0, le=1e6, description="Fair-share weight of the project")
+    guarantee_gpus: int = Field(0, ge=0, le=1_000_000,
+                                description="GPUs preemption never takes the project below")
+    max_running: int | None = Field(None, ge=0, description="Running jobs at most (null: no cap)")
+    max_queued: int | None = Field(None, ge=0, description="Queued jobs at most (null: no cap)")
+
+
+@router.put("/orgs/{org}/projects/{project}/job-settings",
+            summary="Set a project's fair share and job quotas")
+async def job_settings(org: str, project: str, body: JobSettings, request: Request,
+                       _: Principal = Depends(require_admin)) -> dict[str, Any]:
+    await asyncio.to_thread(tenancy.set_job_settings, platform_of(request).db, org, project,
+                            body.weight, body.guarantee_gpus, body.max_running, body.max_queued)
+    return {"org": org, "project": project, **body.model_dump()}
+
+
 @router.get("/agents", summary="Registered hosts")
 def list_agents(request: Request, _: Principal = Depends(require_admin)) -> dict[str, Any]:
     with platform_of(request).db.transaction(write=False) as session:

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import hmac
+import random
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from nbfleet.control import hosts
 from nbfleet.control.deps import platform_of
+from nbfleet.jobs import attempts
 from nbfleet.model.errors import Unauthorized
 from nbfleet.web.problems import bearer_token
 
@@ -50,3 +52,61 @@ def agent_heartbeat(agent_id: str, body: Heartbeat, request: Request) -> None:
     platform = platform_of(request)
     with platform.db.transaction() as session:
         hosts.heartbeat(session, platform.db.now(session), agent_id, body.boot_id)
+
+
+class AttemptBeat(BaseModel):
+    job_id: str
+    attempt: int = Field(ge=1)
+    seq: int = Field(ge=1)
+    gpu_ms: int = Field(ge=0, le=10**15)
+    progress: float | None = None
+    log_chunks: int = Field(0, ge=0)
+
+
+class JobHeartbeats(BaseModel):
+    agent_id: str
+    boot_id: str
+    attempts: list[AttemptBeat] = Field(max_length=10000)
+
+
+@router.post("/jobs/heartbeats")
+def job_heartbeats(body: JobHeartbeats, request: Request) -> dict[str, Any]:
+    """An agent's report on its running attempts; answers what each should do."""
+    platform = platform_of(request)
+    beats = [attempts.Beat(b.job_id, b.attempt, b.seq, b.gpu_ms, b.progress, b.log_chunks)
+             for b in body.attempts]
+    with platform.db.transaction() as session:
+        directives = attempts.heartbeat(session, body.agent_id, body.boot_id, beats,
+                                        platform.jobs, platform.db.now(session))
+    return {"directives": [d.as_json() for d in directives]}
+
+
+class AttemptFinish(BaseModel):
+    agent_id: str
+    boot_id: str
+    seq: int = Field(ge=0)
+    gpu_ms: int = Field(ge=0, le=10**15)
+    exit_code: int | None = None
+    signal: int | None = None
+    killed_for: str | None = None
+    launch_error: str | None = None
+    output_tail: str = Field("", max_length=20000)
+    result: list[dict[str, Any]] = Field(default_factory=list, max_length=1000)
+    log_chunks: int = Field(0, ge=0)
+
+
+@router.post("/jobs/{job_id}/attempts/{attempt}/finish")
+def finish_attempt(job_id: str, attempt: int, body: AttemptFinish,
+                   request: Request) -> dict[str, Any]:
+    """An attempt's process ended. 409 if the attempt is stale (fenced off)."""
+    platform = platform_of(request)
+    facts = attempts.Facts(seq=body.seq, gpu_ms=body.gpu_ms, exit_code=body.exit_code,
+                           signal=body.signal, killed_for=body.killed_for,
+                           launch_error=body.launch_error, output_tail=body.output_tail,
+                           result=body.result, log_chunks=body.log_chunks)
+    with platform.db.transaction() as session:
+        job = attempts.finish(session, job_id, attempt, body.agent_id, body.boot_id, facts,
+                              platform.jobs, platform.db.now(session), random.random())
+        state = job.state
+    platform.wake_jobs()
+    return {"job_id": job_id, "attempt": attempt, "state": state}

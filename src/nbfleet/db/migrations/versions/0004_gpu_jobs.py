@@ -87,6 +87,7 @@ def upgrade() -> None:
     sa.Column('attempt', sa.Integer(), nullable=False),
     sa.Column('hold_id', sa.String(length=40), nullable=True),
     sa.Column('max_rate', sa.BigInteger(), nullable=False),
+    sa.Column('max_rate_type', sa.String(length=40), nullable=False),
     sa.Column('host_id', sa.String(length=40), nullable=True),
     sa.Column('gpu_type', sa.String(length=40), nullable=True),
     sa.Column('avoid_hosts', sa.JSON(), nullable=False),

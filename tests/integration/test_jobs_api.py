@@ -1,0 +1,199 @@
+"""GPU jobs end to end through the API and the CLI: real control plane, real agent,
+the real ``nbfleet-fakegen`` binary in its own process group."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlencode, urlparse
+
+import httpx
+import pytest
+
+from tests.support.cluster import Cluster
+from tests.support.credit_api import Tenant, verified
+from tests.support.job_api import (
+    CREDIT,
+    funded_tenant,
+    job_cluster,
+    key,
+    submit,
+    wait_job,
+)
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with job_cluster(tmp_path_factory.mktemp("jobs"), gpus="4xA100-80GB") as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def alice(jobs: Cluster) -> Tenant:
+    return funded_tenant(jobs)
+
+
+def outcomes(job: dict[str, Any]) -> list[str | None]:
+    return [a["outcome"] for a in job["attempts"]]
+
+
+def test_a_job_runs_and_its_result_downloads_through_a_signed_url(
+        jobs: Cluster, alice: Tenant) -> None:
+    job = submit(alice.client, args={"seed": 7}, gpus=2, gpu_types=["H100-80GB", "A100-80GB"])
+    assert job["state"] == "queued" and job["id"].startswith("job_")
+    done = wait_job(alice.client, job["id"])
+    assert done["state"] == "succeeded", done
+    (attempt,) = done["attempts"]
+    assert attempt["gpu_type"] == "A100-80GB" and len(attempt["gpu_indices"]) == 2
+    assert attempt["rate_per_gpu_hour"] == 2 * CREDIT  # repriced from H100's 4 to A100's 2
+    logs = alice.client.get(f"/v1/jobs/{job['id']}/logs").text
+    assert "progress:" in logs
+    assert "CUDA_VISIBLE_DEVICES=" + ",".join(map(str, attempt["gpu_indices"])) in logs
+    result = alice.client.get(f"/v1/jobs/{job['id']}/result").json()
+    (file,) = result["files"]
+    assert file["name"] == "video.mp4"
+    data = httpx.get(file["url"]).content  # no token: the URL is the permission
+    assert len(data) == file["size"] > 0
+    import hashlib
+    assert hashlib.sha256(data).hexdigest() == file["sha256"]
+
+
+def test_a_tampered_or_expired_result_url_is_refused(jobs: Cluster, alice: Tenant) -> None:
+    job = wait_job(alice.client, submit(alice.client)["id"])
+    (file,) = alice.client.get(f"/v1/jobs/{job['id']}/result").json()["files"]
+    url = urlparse(file["url"])
+    query = {k: v[0] for k, v in parse_qs(url.query).items()}
+    base = f"{url.scheme}://{url.netloc}{url.path}"
+
+    def get(path: str = base, **changes: Any) -> httpx.Response:
+        return httpx.get(f"{path}?{urlencode({**query, **changes})}")
+
+    assert get().status_code == 200
+    assert get(expires=str(int(query["expires"]) + 3600)).status_code == 403
+    assert get(signature="0" * 64).status_code == 403
+    assert get(base.replace("video.mp4", "other.mp4")).status_code == 403
+    assert get(base.replace("/1/", "/2/")).status_code == 403
+    past = int(time.time()) - 1
+    from nbfleet.jobs.results import sign, signing_key
+    secret = (jobs.home / "cluster-secret").read_text().strip()
+    stale = sign(signing_key(secret), job["id"], 1, "video.mp4", past)
+    expired = get(expires=str(past), signature=stale)
+    assert expired.status_code == 403 and "expired" in expired.json()["detail"]
+
+
+@pytest.mark.parametrize(("behavior", "extra", "state", "outcome"), [
+    ("crash", {}, "dead_lettered", "crash"),
+    ("hang", {"idle_timeout_s": 1}, "dead_lettered", "hang"),
+    ("oom", {"memory_mb": 100}, "dead_lettered", "oom"),
+    ("cuda-oom", {}, "dead_lettered", "oom"),
+    ("no-output", {}, "dead_lettered", "no_output"),
+    ("ignore-sigterm", {"timeout_s": 2, "idle_timeout_s": 2}, "timed_out", "timed_out"),
+])
+def test_failures_are_classified(jobs: Cluster, alice: Tenant, behavior: str,
+                                 extra: dict[str, Any], state: str, outcome: str) -> None:
+    job = submit(alice.client, behavior, duration=0.6, max_attempts=1, **extra)
+    done = wait_job(alice.client, job["id"])
+    assert (done["state"], outcomes(done)) == (state, [outcome]), done
+    if behavior == "ignore-sigterm":
+        assert done["attempts"][0]["signal"] == 9  # SIGTERM ignored: killed after the grace
+
+
+def test_retries_keep_every_attempts_reason(jobs: Cluster, alice: Tenant) -> None:
+    done = wait_job(alice.client, submit(alice.client, "crash", max_attempts=3)["id"])
+    assert done["state"] == "dead_lettered"
+    # One host: the poison rule (several hosts) cannot fire, so all 3 attempts run.
+    assert outcomes(done) == ["crash", "crash", "crash"]
+    assert [a["exit_code"] for a in done["attempts"]] == [3, 3, 3]
+    assert "3 of 3 attempts failed" in done["reason"]
+
+
+def test_cancel_a_queued_and_a_running_job(jobs: Cluster, alice: Tenant) -> None:
+    running = submit(alice.client, "hang", idle_timeout_s=60)
+    wait_job(alice.client, running["id"], states={"running"})
+    cancelled = alice.client.post(f"/v1/jobs/{running['id']}/cancel")
+    assert cancelled.status_code == 202
+    done = wait_job(alice.client, running["id"])
+    assert (done["state"], outcomes(done)) == ("cancelled", ["cancelled"])
+    again = alice.client.post(f"/v1/jobs/{running['id']}/cancel")
+    assert again.status_code == 202 and again.json()["state"] == "cancelled"
+    finished = wait_job(alice.client, submit(alice.client)["id"])
+    refused = alice.client.post(f"/v1/jobs/{finished['id']}/cancel")
+    assert refused.status_code == 409 and "already ended" in refused.json()["detail"]
+
+
+def test_submit_is_idempotent_and_bad_input_is_explained(jobs: Cluster, alice: Tenant) -> None:
+    body = {"binary": "fakegen", "args": {"behavior": "success", "duration": 0.1},
+            "timeout_s": 30}
+    headers = key()
+    first = alice.client.post("/v1/jobs", json=body, headers=headers)
+    second = alice.client.post("/v1/jobs", json=body, headers=headers)
+    assert first.status_code == second.status_code == 202
+    assert first.json()["id"] == second.json()["id"]
+    assert second.headers.get("Idempotent-Replayed") == "true"
+    changed = alice.client.post("/v1/jobs", json={**body, "gpus": 2}, headers=headers)
+    assert changed.status_code == 422
+    for bad, field in [({"binary": "nope"}, "no binary"),
+                       ({"gpus": 0}, "gpus"),
+                       ({"gpu_types": ["H100-80GB"]}, "no host can run"),
+                       ({"tier": "platinum"}, "unknown tier"),
+                       ({"args": {"output-dir": "/etc"}}, "output-dir"),
+                       ({"args": {"x": [1, 2]}}, "args")]:
+        response = alice.client.post("/v1/jobs", json={**body, **bad})
+        assert response.status_code in (404, 422), (bad, response.text)
+        assert response.headers["content-type"].startswith("application/problem+json")
+        assert field in response.text, (bad, response.text)
+
+
+def test_jobs_are_invisible_to_other_tenants(jobs: Cluster, alice: Tenant) -> None:
+    job = submit(alice.client)
+    mallory = funded_tenant(jobs)
+    for method, path in [("GET", ""), ("POST", "/cancel"), ("GET", "/logs"),
+                         ("GET", "/result"), ("GET", "/events")]:
+        response = mallory.client.request(method, f"/v1/jobs/{job['id']}{path}")
+        assert response.status_code == 404, (method, path, response.text)
+    listed = mallory.client.get("/v1/jobs").json()["items"]
+    assert job["id"] not in {j["id"] for j in listed}
+    binaries = mallory.client.get("/v1/binaries").json()["items"]
+    assert binaries and "command" not in binaries[0]  # how a binary runs is for admins
+
+
+def test_the_ledger_balances_after_all_of_it(jobs: Cluster, alice: Tenant) -> None:
+    wait_job(alice.client, submit(alice.client)["id"])
+    verified(jobs)
+
+
+def test_the_cli_submits_waits_lists_and_downloads(jobs: Cluster, alice: Tenant,
+                                                   tmp_path: Path) -> None:
+    env = {**os.environ, "NBFLEET_URL": jobs.url,
+           "NBFLEET_TOKEN": str(alice.client.headers["Authorization"]).split()[1]}
+    cli = [sys.executable, "-m", "nbfleet.cli.main"]
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*cli, *args], env=env, capture_output=True, text=True,
+                              timeout=120)
+
+    submitted = run("job", "submit", "fakegen", "--arg", "behavior=success",
+                    "--arg", "duration=0.2", "--arg", "prompt=a dog", "--timeout", "60",
+                    "--wait")
+    assert submitted.returncode == 0, submitted.stderr
+    import json
+    job = json.loads(submitted.stdout)
+    assert job["state"] == "succeeded" and job["args"]["prompt"] == "a dog"
+    assert job["id"] in run("job", "list").stdout
+    logs = run("job", "logs", job["id"])
+    assert "progress:" in logs.stdout
+    downloaded = run("job", "result", job["id"], "-o", str(tmp_path))
+    assert downloaded.returncode == 0, downloaded.stderr
+    assert (tmp_path / "video.mp4").stat().st_size > 0
+    failed = run("job", "submit", "fakegen", "--arg", "behavior=crash", "--max-attempts", "1",
+                 "--wait")
+    assert failed.returncode == 1 and '"dead_lettered"' in failed.stdout
+    missing = run("job", "get", "job_00000000000000000000000000")
+    assert missing.returncode == 1 and "error 404" in missing.stderr
+    bad = run("job", "submit", "fakegen", "--arg", "novalue")
+    assert bad.returncode == 2 and "NAME=VALUE" in bad.stderr
