@@ -11,6 +11,7 @@ import asyncio
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -305,8 +306,8 @@ async def test_finish_is_retried_then_dropped_when_stale(harness: Harness) -> No
 
 
 async def test_symlinks_in_the_output_are_not_uploaded(harness: Harness) -> None:
-    make = ("import os, sys\nout = sys.argv[-1].split('=', 1)[1]\nopen(os.path.join(out, 'b.txt'), 'w')"
-            ".write('b')\nos.symlink('/etc/passwd', os.path.join(out, 'a.txt'))\n"
+    make = ("import os, sys\nout = sys.argv[-1].split('=', 1)[1]\n"
+            "open(os.path.join(out, 'b.txt'), 'w').write('b')\nos.symlink('/etc/passwd', os.path.join(out, 'a.txt'))\n"
             "os.mkdir(os.path.join(out, 'sub'))\n")
     await harness.runner.start(spec(command=[sys.executable, "-c", make]))
     facts = await harness.reporter.wait_finished("job_1")
@@ -432,3 +433,39 @@ def test_progress_lines() -> None:
     assert parse_progress(b"progress: 2/0") == 0.0
     assert parse_progress(b"progress: 7") == 1.0
     assert parse_progress(b"no news") is None
+
+
+GRACEFUL = """
+import pathlib, signal, sys, time
+out = pathlib.Path(sys.argv[-1].split("=", 1)[1])
+def stop(signum, frame):
+    (out / "stopped.txt").write_text(f"got {signum}")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+print("ready", flush=True)
+time.sleep(30)
+"""
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap (CI installs it)")
+async def test_in_the_sandbox_a_binary_gets_its_sigterm_grace_and_real_signals(
+        tmp_path: Path) -> None:
+    from nbfleet.agent.sandbox import make_sandbox
+
+    h = Harness(tmp_path)
+    h.runner.sandbox = make_sandbox("bwrap", [str(h.state_dir)])
+    await h.runner.open()
+    try:
+        await h.runner.start(spec("job_term", command=[sys.executable, "-c", GRACEFUL]))
+        await asyncio.sleep(1.0)
+        assert h.runner.stop("job_term", 1, "cancel", 5.0)
+        facts = await h.reporter.wait_finished("job_term")
+        # bwrap ignored the SIGTERM; the binary handled it and wrote its file.
+        assert (facts["killed_for"], facts["exit_code"]) == ("cancel", 0), facts
+        await h.runner.start(spec("job_segv", command=[
+            sys.executable, "-c", "import os; os.kill(os.getpid(), 11)"]))
+        segv = await h.reporter.wait_finished("job_segv")
+        assert (segv["exit_code"], segv["signal"]) == (None, 11)  # not bwrap's 139
+        assert outcome(segv) == Outcome.CRASH
+    finally:
+        await h.runner.close()

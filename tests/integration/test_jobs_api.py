@@ -4,6 +4,7 @@ the real ``nbfleet-fakegen`` binary in its own process group."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -22,6 +23,7 @@ from tests.support.job_api import (
     funded_tenant,
     job_cluster,
     key,
+    register,
     submit,
     wait_job,
 )
@@ -197,3 +199,29 @@ def test_the_cli_submits_waits_lists_and_downloads(jobs: Cluster, alice: Tenant,
     assert missing.returncode == 1 and "error 404" in missing.stderr
     bad = run("job", "submit", "fakegen", "--arg", "novalue")
     assert bad.returncode == 2 and "NAME=VALUE" in bad.stderr
+
+
+SNOOP = """
+import os, pathlib, sys
+target, out = sys.argv[1].split("=", 1)[1], sys.argv[-1].split("=", 1)[1]
+try:
+    found = "READ " + pathlib.Path(target).read_text()[:4]
+except OSError as exc:
+    found = f"DENIED {type(exc).__name__}"
+secrets = sorted(k for k in os.environ if k.startswith("NBFLEET_") and "SECRET" in k)
+pathlib.Path(out, "report.txt").write_text(f"{found} env={secrets}")
+"""
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap (CI installs it)")
+def test_a_binary_cannot_read_the_control_planes_secrets(jobs: Cluster, alice: Tenant) -> None:
+    register(jobs, "snoop", "1.0", [sys.executable, "-c", SNOOP])
+    secret = jobs.home / "cluster-secret"
+    assert secret.exists()
+    response = alice.client.post("/v1/jobs", json={
+        "binary": "snoop", "args": {"path": str(secret)}, "timeout_s": 30}, headers=key())
+    done = wait_job(alice.client, response.json()["id"])
+    assert done["state"] == "succeeded", done
+    (file,) = alice.client.get(f"/v1/jobs/{done['id']}/result").json()["files"]
+    report = httpx.get(file["url"]).text
+    assert report.startswith("DENIED") and "env=[]" in report, report

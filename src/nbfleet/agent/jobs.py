@@ -27,6 +27,7 @@ from typing import IO, Any, Protocol
 
 from nbfleet.agent import job_process as proc
 from nbfleet.agent.job_process import Attempt, JobSpec
+from nbfleet.agent.sandbox import Sandbox, gpu_devices
 from nbfleet.model.errors import Conflict, InvalidInput
 from nbfleet.model.jobs import argv
 from nbfleet.storage.blobs import BlobStore
@@ -56,8 +57,12 @@ class Reporter(Protocol):
 
 class JobRunner:
     def __init__(self, state_dir: str, blobs: BlobStore, reporter: Reporter, *,
-                 heartbeat_s: float = 2.0) -> None:
+                 heartbeat_s: float = 2.0, sandbox: Sandbox | None = None) -> None:
         self.jobs_dir = os.path.join(state_dir, "jobs")
+        #: Binaries run inside it when there is one: they see their own work
+        #: directory and the read-only system, never the agent's or control
+        #: plane's state and secrets.
+        self.sandbox = sandbox
         self.blobs = blobs
         self.reporter = reporter
         self.heartbeat_s = heartbeat_s
@@ -140,7 +145,7 @@ class JobRunner:
         log_file = await asyncio.to_thread(_prepare, att)
         try:
             att.process = await asyncio.create_subprocess_exec(
-                *argv(spec.command, spec.args, att.output_dir), stdin=subprocess.DEVNULL,
+                *self._command_line(att), stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=att.workdir,
                 env=proc.job_env(att.workdir, att.output_dir, spec.job_id, spec.attempt,
                                  spec.gpu_indices),
@@ -153,12 +158,31 @@ class JobRunner:
         await asyncio.to_thread(proc.record_pgid, att.workdir, att.pgid)
         return log_file
 
+    def _command_line(self, att: Attempt) -> list[str]:
+        line = argv(att.spec.command, att.spec.args, att.output_dir)
+        if self.sandbox is None:
+            return line
+        # Inside bwrap an exec failure would look like the binary's own exit 1;
+        # checked here, it is the launch failure it is.
+        executable = shutil.which(line[0])
+        if executable is None:
+            raise FileNotFoundError(f"no executable {line[0]!r} on this host")
+        return self.sandbox.wrap([executable, *line[1:]], [att.workdir], att.workdir,
+                                 devices=gpu_devices(), job=True)
+
+    def _status(self, returncode: int) -> int:
+        """The binary's own status: under bwrap, 128 + N is death by signal N (as
+        asyncio reports it unsandboxed: -N)."""
+        if self.sandbox is not None and 128 < returncode <= 128 + 64:
+            return 128 - returncode
+        return returncode
+
     async def _supervise(self, att: Attempt, log_file: IO[bytes]) -> None:
         process = att.process
         assert process is not None and process.stdout is not None
         try:
             reader = asyncio.create_task(self._read(att, process.stdout, log_file))
-            att.returncode = await process.wait()
+            att.returncode = self._status(await process.wait())
             att.ended = time.monotonic()
             proc.killpg(att.pgid, signal.SIGKILL)  # whatever it left behind
             for timer in att.timers:

@@ -1,4 +1,5 @@
-"""Kernel isolation with bubblewrap: each kernel sees only its own workspace.
+"""Isolation with bubblewrap: each kernel sees only its own workspace, each job
+only its own work directory.
 
 Inside the sandbox the root filesystem is read-only, ``/tmp`` is private, and the
 agent's state (every workspace's runtime), the control plane's home (its DB and
@@ -10,6 +11,7 @@ run as plain processes, and the agent says so loudly at start-up.
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import shutil
@@ -34,20 +36,39 @@ class Sandbox:
     #: happens to live under /tmp or another hidden directory.
     readonly: tuple[str, ...] = ()
 
-    def wrap(self, argv: list[str], visible: list[str], workdir: str) -> list[str]:
+    def wrap(self, argv: list[str], visible: list[str], workdir: str,
+             devices: list[str] | None = None, job: bool = False) -> list[str]:
+        """``argv`` inside the sandbox; ``devices`` are device nodes to pass through
+        (a job's GPUs: ``/dev/nvidia*``). Under bwrap a child killed by signal N
+        ends bwrap with exit status 128 + N, as a shell reports it."""
         command = [self.bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
                    "--tmpfs", "/tmp"]
+        for device in devices or ():
+            command += ["--dev-bind", device, device]
         for path in self.hidden:
             command += ["--tmpfs", path]
         for path in self.readonly:
             command += ["--ro-bind", path, path]
         for path in visible:
             command += ["--bind", path, path]
-        command += ["--die-with-parent", "--chdir", workdir, "--", *argv]
-        # Interrupts are sent to the kernel's process group, which bwrap shares. bwrap
-        # must ignore SIGINT (ignoring survives exec), or an interrupt would kill it and,
-        # through --die-with-parent, the kernel; ipykernel sets its own SIGINT handler.
-        return ["/bin/sh", "-c", 'trap "" INT; exec "$@"', "nbfleet-sandbox", *command]
+        command += ["--die-with-parent", "--chdir", workdir, "--"]
+        if not job:
+            # Interrupts are sent to the kernel's process group, which bwrap shares.
+            # bwrap must ignore SIGINT (ignoring survives exec), or an interrupt would
+            # kill it and, through --die-with-parent, the kernel; ipykernel sets its
+            # own SIGINT handler.
+            return ["/bin/sh", "-c", 'trap "" INT; exec "$@"', "nbfleet-sandbox", *command,
+                    *argv]
+        # A job is stopped with SIGTERM to its process group, then SIGKILL after a
+        # grace period. bwrap ignores both INT and TERM so the binary gets its grace;
+        # `env --default-signal` gives the binary the default handlers back.
+        return ["/bin/sh", "-c", 'trap "" INT TERM; exec "$@"', "nbfleet-sandbox", *command,
+                "env", "--default-signal=INT,TERM", *argv]
+
+
+def gpu_devices() -> list[str]:
+    """NVIDIA's device nodes on this host (none on a machine without GPUs)."""
+    return sorted(glob.glob("/dev/nvidia*"))
 
 
 def python_paths() -> list[str]:

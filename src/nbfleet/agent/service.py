@@ -175,7 +175,7 @@ class AgentService:
             self.jobs = JobRunner(
                 self.state_dir, BlobStore(body["blobs_url"]),
                 ControlReporter(self._http, self.agent_id, self.boot_id),
-                heartbeat_s=self.config.job_heartbeat_s,
+                heartbeat_s=self.config.job_heartbeat_s, sandbox=self.sandbox,
             )
             await self.jobs.open()
         log.info("registered as %s (%s)", self.agent_id, self.boot_id)

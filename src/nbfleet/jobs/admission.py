@@ -96,7 +96,8 @@ def fleet_shapes(session: Session) -> list[Shape]:
     it for a few seconds rather than read it per submission."""
     shapes = {gpu_groups(inventory) for inventory in
               session.execute(select(Agent.inventory)).scalars()}
-    return sorted(shapes)
+    # GpuGroup has no order: sort by its fields (two distinct shapes made sorted() raise).
+    return sorted(shapes, key=lambda shape: [(g.gpu_type, g.vram_gb, g.count) for g in shape])
 
 
 def _check_fleet_fits(fleet: list[Host], spec: ResourceSpec) -> None:
