@@ -307,7 +307,8 @@ async def test_finish_is_retried_then_dropped_when_stale(harness: Harness) -> No
 
 async def test_symlinks_in_the_output_are_not_uploaded(harness: Harness) -> None:
     make = ("import os, sys\nout = sys.argv[-1].split('=', 1)[1]\n"
-            "open(os.path.join(out, 'b.txt'), 'w').write('b')\nos.symlink('/etc/passwd', os.path.join(out, 'a.txt'))\n"
+            "open(os.path.join(out, 'b.txt'), 'w').write('b')\n"
+            "os.symlink('/etc/passwd', os.path.join(out, 'a.txt'))\n"
             "os.mkdir(os.path.join(out, 'sub'))\n")
     await harness.runner.start(spec(command=[sys.executable, "-c", make]))
     facts = await harness.reporter.wait_finished("job_1")
