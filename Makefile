@@ -18,12 +18,13 @@ up: $(STAMP)
 	$(BIN)/nbfleet up
 
 ## Lint, type-check, then the whole suite on SQLite, and again on PostgreSQL when
-## NBFLEET_TEST_PG names a server (e.g. postgresql://postgres@127.0.0.1:5432/postgres).
+## NBFLEET_TEST_PG names a server (e.g. postgresql://postgres@127.0.0.1:5432/postgres):
+## every test that touches the database; those marked no_db would only repeat.
 test: check
 	$(BIN)/python -m pytest
 	@if [ -n "$$NBFLEET_TEST_PG" ]; then \
-		echo "== the suite again, on PostgreSQL ($$NBFLEET_TEST_PG)"; \
-		$(BIN)/python -m pytest; \
+		echo "== the database tests again, on PostgreSQL ($$NBFLEET_TEST_PG)"; \
+		$(BIN)/python -m pytest -m "not no_db"; \
 	fi
 
 check: $(STAMP)

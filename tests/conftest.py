@@ -18,6 +18,16 @@ from tests.support.cluster import Cluster
 PG_ADMIN_URL = os.environ.get("NBFLEET_TEST_PG")
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Unit tests cover the pure layers (their few DB tests use SQLite on purpose),
+    so they are the same on either database: the PostgreSQL pass (``-m "not
+    no_db"``) skips them."""
+    unit = Path(__file__).parent / "unit"
+    for item in items:
+        if unit in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.no_db)
+
+
 @contextlib.contextmanager
 def fresh_database(directory: Path) -> Iterator[str]:
     """A new, empty database, dropped afterwards."""

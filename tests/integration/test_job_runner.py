@@ -31,6 +31,9 @@ from nbfleet.model.errors import Conflict
 from nbfleet.model.jobs import Outcome, Scalar, classify
 from nbfleet.storage.blobs import BlobStore
 
+#: Runs no DB: the PostgreSQL pass of `make test` skips it.
+pytestmark = pytest.mark.no_db
+
 FAKEGEN = str(Path(__file__).resolve().parents[1] / "support" / "nbfleet-fakegen")
 FAKEGEN_CMD = [sys.executable, FAKEGEN]
 

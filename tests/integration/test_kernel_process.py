@@ -15,6 +15,8 @@ from nbfleet.agent.kernel_process import Client, KernelProcess
 from nbfleet.agent.slots import kernel_env
 from nbfleet.agent.wire import ClientMessage, parse_client_frame
 
+#: Runs no DB: the PostgreSQL pass of `make test` skips it.
+pytestmark = pytest.mark.no_db
 
 def execute_request(code: str) -> ClientMessage:
     return parse_client_frame(json.dumps({

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 from jupyter_client.manager import KernelManager
 
-pytestmark = pytest.mark.timeout(180)
+#: Runs no DB: the PostgreSQL pass of `make test` skips it.
+pytestmark = [pytest.mark.no_db, pytest.mark.timeout(180)]
 
 FLUSH = "__import__('nbfleet.kernel').kernel.flush()"
 RESTORE = "__import__('nbfleet.kernel').kernel.restore()"
