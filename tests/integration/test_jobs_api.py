@@ -225,3 +225,60 @@ def test_a_binary_cannot_read_the_control_planes_secrets(jobs: Cluster, alice: T
     (file,) = alice.client.get(f"/v1/jobs/{done['id']}/result").json()["files"]
     report = httpx.get(file["url"]).text
     assert report.startswith("DENIED") and "env=[]" in report, report
+
+
+def test_logs_stream_while_the_job_runs(jobs: Cluster, alice: Tenant) -> None:
+    job = submit(alice.client, duration=3.0, args={"progress-interval": 0.1})
+    wait_job(alice.client, job["id"], states={"running"})
+    received = b""
+    with alice.client.stream("GET", f"/v1/jobs/{job['id']}/logs",
+                             params={"follow": "true"}) as response:
+        assert response.status_code == 200
+        for chunk in response.iter_bytes():
+            received += chunk
+            if b"progress:" in received:
+                break
+    during = alice.client.get(f"/v1/jobs/{job['id']}").json()
+    assert during["state"] == "running"  # the lines came while it was still running
+    assert wait_job(alice.client, job["id"])["state"] == "succeeded"
+
+
+def test_list_filters_and_pages(jobs: Cluster) -> None:
+    bob = funded_tenant(jobs)
+    ok = [submit(bob.client)["id"] for _ in range(3)]
+    bad = submit(bob.client, "crash", max_attempts=1)["id"]
+    for job_id in [*ok, bad]:
+        wait_job(bob.client, job_id)
+    failed = bob.client.get("/v1/jobs", params={"state": "dead_lettered"}).json()["items"]
+    assert [j["id"] for j in failed] == [bad]
+    seen, before = [], None
+    while True:
+        params: dict[str, Any] = {"limit": 2, **({"before": before} if before else {})}
+        page = bob.client.get("/v1/jobs", params=params).json()
+        seen += [j["id"] for j in page["items"]]
+        before = page["next"]
+        if not before:
+            break
+    assert seen == sorted([*ok, bad], reverse=True)  # newest first, each once
+    assert bob.client.get("/v1/jobs", params={"state": "bogus"}).status_code == 422
+
+
+def test_admins_roll_binaries_out_with_the_cli(jobs: Cluster) -> None:
+    env = {**os.environ, "NBFLEET_URL": jobs.url, "NBFLEET_TOKEN": jobs.admin_token,
+           "COLUMNS": "250"}
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "nbfleet.cli.main", *args], env=env,
+                              capture_output=True, text=True, timeout=60)
+
+    first = run("binary", "register", "clitool", "1.0", "--", sys.executable, "-V")
+    assert first.returncode == 0, first.stderr
+    canary = run("binary", "register", "clitool", "2.0", "--canary", "25", "--",
+                 sys.executable, "-V")
+    assert canary.returncode == 0 and '"canary"' in canary.stdout, canary.stderr
+    assert run("binary", "canary", "clitool", "2.0", "50").returncode == 0
+    listed = run("binary", "list", "clitool").stdout
+    assert "stable" in listed and "canary" in listed and "50" in listed
+    assert '"stable"' in run("binary", "promote", "clitool", "2.0").stdout
+    again = run("binary", "register", "clitool", "2.0", "--", "x")
+    assert again.returncode == 1 and "already registered" in again.stderr

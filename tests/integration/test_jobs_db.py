@@ -4,18 +4,22 @@ letters, the poison quarantine, cancel, preemption refunds and canary rollback."
 
 from __future__ import annotations
 
+from datetime import timedelta
+from pathlib import Path
+
 import pytest
 from sqlalchemy import func, select
 
 from nbfleet.db.credit_tables import CreditHold
 from nbfleet.db.engine import Database
 from nbfleet.db.job_tables import BinaryVersion, GpuAllocation, Job
-from nbfleet.jobs import attempts, binaries
+from nbfleet.jobs import attempts, binaries, results
 from nbfleet.jobs.admission import QuotaExceeded
 from nbfleet.ledger import budgets, grants
 from nbfleet.model.credits import MICRO, Enforcement, Level, Period
 from nbfleet.model.errors import InvalidInput, PaymentRequired
 from nbfleet.model.jobs import CanaryRule, JobState
+from nbfleet.storage.blobs import BlobStore
 from tests.support import jobs as J
 from tests.support.ledger import ADMIN, Tenant, assert_verified, give, new_tenant
 
@@ -284,3 +288,31 @@ def test_a_failing_canary_rolls_back_and_pinned_jobs_keep_their_version(
     assert J.load(db, pinned.id).version == "2.0"  # pinned keeps its version
     assert J.submit(db, tenant, timeout_s=60).version == "1.0"
     assert J.submit(db, tenant, timeout_s=60, version="2.0").version == "2.0"
+
+
+def test_results_and_logs_are_deleted_after_retention(db: Database, tenant: Tenant,
+                                                      tmp_path: Path) -> None:
+    from sqlalchemy import update
+
+    blobs = BlobStore(str(tmp_path / "blobs"))
+    kept, expiring = J.submit(db, tenant, timeout_s=60), J.submit(db, tenant, timeout_s=60)
+    J.dispatch_pass(db)
+    for job in (kept, expiring):
+        blobs.put(f"jobs/{job.id}/1/output/video.mp4", b"mp4")
+        blobs.put(f"jobs/{job.id}/1/log/00000000", b"progress: 1/1\n")
+        J.finish(db, job.id, 1, attempts.Facts(seq=2, gpu_ms=10, exit_code=0, result=[
+            {"name": "video.mp4", "key": f"jobs/{job.id}/1/output/video.mp4", "size": 3,
+             "sha256": "x"}]))
+    assert results.purge(db, blobs) == 0  # nothing is due yet
+    with db.transaction() as session:
+        session.execute(update(Job).where(Job.id == expiring.id).values(
+            result_expires_at=db.now(session) - timedelta(seconds=1)))
+    assert results.purge(db, blobs) == 1
+    assert blobs.list(f"jobs/{expiring.id}") == []
+    assert len(blobs.list(f"jobs/{kept.id}")) == 2
+    gone = J.load(db, expiring.id)
+    assert gone.result is None and gone.result_expires_at is None
+    with pytest.raises(results.Gone):
+        results.downloads(gone, blobs, b"k", "http://x", 0.0, 60.0)
+    assert results.purge(db, blobs) == 0  # done once
+    assert J.load(db, kept.id).result

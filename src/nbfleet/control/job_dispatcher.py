@@ -229,13 +229,4 @@ class JobDispatcher:
         return ended
 
     def purge_results(self) -> int:
-        with self.db.transaction(write=False) as session:
-            due = results.expired(session, self.db.now(session))
-        purged = 0
-        for job_id in due:
-            # The blobs first: a crash between leaves a record the next pass finishes,
-            # never blobs nobody knows of.
-            self.platform.blobs.delete_prefix(results.blob_prefix(job_id))
-            with self.db.transaction() as session:
-                purged += results.forget(session, job_id, self.db.now(session))
-        return purged
+        return results.purge(self.db, self.platform.blobs)

@@ -20,6 +20,7 @@ from urllib.parse import quote, urlencode
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from nbfleet.db.engine import Database
 from nbfleet.db.job_tables import Job
 from nbfleet.model.errors import DomainError, Forbidden
 from nbfleet.storage.blobs import BlobStore
@@ -106,3 +107,19 @@ def forget(session: Session, job_id: str, now: datetime) -> bool:
     job.result_expires_at = None
     job.updated_at = now
     return True
+
+
+def purge(db: Database, blobs: BlobStore, limit: int = 100) -> int:
+    """Delete the blobs of jobs past retention, then forget them; returns how many.
+
+    The blobs first: a crash between leaves a record the next pass finishes, never
+    blobs nobody knows of.
+    """
+    with db.transaction(write=False) as session:
+        due = expired(session, db.now(session), limit)
+    purged = 0
+    for job_id in due:
+        blobs.delete_prefix(blob_prefix(job_id))
+        with db.transaction() as session:
+            purged += forget(session, job_id, db.now(session))
+    return purged
