@@ -282,3 +282,15 @@ def test_admins_roll_binaries_out_with_the_cli(jobs: Cluster) -> None:
     assert '"stable"' in run("binary", "promote", "clitool", "2.0").stdout
     again = run("binary", "register", "clitool", "2.0", "--", "x")
     assert again.returncode == 1 and "already registered" in again.stderr
+
+
+def test_admins_choose_the_tiers_a_project_may_use(jobs: Cluster) -> None:
+    carol = funded_tenant(jobs, project="free-only")
+    path = f"/v1/admin/orgs/{carol.org}/projects/{carol.project}/job-settings"
+    bad = jobs.admin().put(path, json={"tiers": ["gold"]})
+    assert bad.status_code == 422 and "unknown tiers" in bad.json()["detail"]
+    assert carol.client.put(path, json={"tiers": ["free"]}).status_code == 404  # admins only
+    assert jobs.admin().put(path, json={"tiers": ["free"]}).status_code == 200
+    refused = carol.client.post("/v1/jobs", json={"binary": "fakegen", "tier": "paid"})
+    assert refused.status_code == 422 and "not enabled" in refused.json()["detail"]
+    assert submit(carol.client, tier="free")["state"] == "queued"

@@ -91,13 +91,16 @@ def test_the_spend_cap_stops_new_admissions(db: Database, tenant: Tenant) -> Non
     assert count(db, Job) == 2
 
 
-def test_the_queued_quota(db: Database, tenant: Tenant) -> None:
+def test_the_queued_quota_and_the_tiers_a_project_may_use(db: Database, tenant: Tenant) -> None:
     from nbfleet.control import tenancy
 
-    tenancy.set_job_settings(db, tenant.org, tenant.project, 1.0, 0, None, 1)
+    tenancy.set_job_settings(db, tenant.org, tenant.project, 1.0, 0, None, 1, ["free"])
+    with pytest.raises(InvalidInput, match="tier 'paid' is not enabled"):
+        J.submit(db, tenant, timeout_s=60, tier="paid")
     J.submit(db, tenant, timeout_s=60)
     with pytest.raises(QuotaExceeded):
         J.submit(db, tenant, timeout_s=60)
+    assert count(db, Job) == 1
 
 
 def test_start_binds_gpus_and_reprices_to_the_type_used(db: Database, tenant: Tenant) -> None:

@@ -127,10 +127,12 @@ def set_idle_suspend(db: Database, org_name: str, project_name: str,
 
 
 def set_job_settings(db: Database, org_name: str, project_name: str, weight: float,
-                     guarantee_gpus: int, max_running: int | None,
-                     max_queued: int | None) -> None:
-    """A project's fair-share weight, preemption guarantee and job quotas."""
+                     guarantee_gpus: int, max_running: int | None, max_queued: int | None,
+                     tiers: list[str] | None = None) -> None:
+    """A project's fair-share weight, preemption guarantee, job quotas and the
+    tiers it may use (None: all)."""
     with db.transaction() as session:
         project = _locked_project(session, org_name, project_name)
         project.job_weight, project.job_guarantee_gpus = weight, guarantee_gpus
         project.job_max_running, project.job_max_queued = max_running, max_queued
+        project.job_tiers = tiers

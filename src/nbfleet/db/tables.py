@@ -50,6 +50,8 @@ class Project(Base):
     job_guarantee_gpus: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     job_max_running: Mapped[int | None] = mapped_column(Integer)
     job_max_queued: Mapped[int | None] = mapped_column(Integer)
+    #: The job tiers the project may use (None: all of them).
+    job_tiers: Mapped[list[str] | None] = mapped_column(JSON(none_as_null=True))
     created_at: Mapped[datetime]
 
 

@@ -110,7 +110,10 @@ def _check_fleet_fits(fleet: list[Host], spec: ResourceSpec) -> None:
             f"with {spec.vram_gb} GB VRAM; the fleet has {types or 'no GPUs'}", field="gpus")
 
 
-def _check_quota(session: Session, project: Project) -> None:
+def _check_quota(session: Session, project: Project, tier: str) -> None:
+    if project.job_tiers is not None and tier not in project.job_tiers:
+        raise InvalidInput(f"tier {tier!r} is not enabled for this project; it may use "
+                           f"{', '.join(project.job_tiers) or 'none'}", field="tier")
     if project.job_max_queued is None:
         return
     waiting = session.execute(
@@ -132,7 +135,7 @@ def submit(session: Session, tenant: Tenant, request: JobRequest, settings: JobS
     project = session.get(Project, tenant.project_id)
     if project is None:
         raise NotFound("no such project")
-    _check_quota(session, project)
+    _check_quota(session, project, request.tier)
     job_id = new_id("job")
     binary = binaries.resolve(session, request.binary, request.version, job_id)
     fingerprint = input_fingerprint(tenant.project_id, binary.name, binary.version, args)

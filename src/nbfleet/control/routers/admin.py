@@ -13,6 +13,7 @@ from nbfleet.control import tenancy
 from nbfleet.control.auth import Principal
 from nbfleet.control.deps import platform_of, require_admin
 from nbfleet.db.tables import Agent
+from nbfleet.model.errors import InvalidInput
 from nbfleet.web.render import iso
 
 router = APIRouter(prefix="/v1/admin", tags=["admin"])
@@ -59,14 +60,21 @@ class JobSettings(BaseModel):
                                 description="GPUs preemption never takes the project below")
     max_running: int | None = Field(None, ge=0, description="Running jobs at most (null: no cap)")
     max_queued: int | None = Field(None, ge=0, description="Queued jobs at most (null: no cap)")
+    tiers: list[str] | None = Field(None, max_length=32,
+                                    description="Tiers the project may use (null: all)")
 
 
 @router.put("/orgs/{org}/projects/{project}/job-settings",
             summary="Set a project's fair share and job quotas")
 async def job_settings(org: str, project: str, body: JobSettings, request: Request,
                        _: Principal = Depends(require_admin)) -> dict[str, Any]:
+    unknown = sorted(set(body.tiers or ()) - set(platform_of(request).jobs.tiers))
+    if unknown:
+        raise InvalidInput(f"unknown tiers {unknown}; known: "
+                           f"{sorted(platform_of(request).jobs.tiers)}", field="tiers")
     await asyncio.to_thread(tenancy.set_job_settings, platform_of(request).db, org, project,
-                            body.weight, body.guarantee_gpus, body.max_running, body.max_queued)
+                            body.weight, body.guarantee_gpus, body.max_running, body.max_queued,
+                            body.tiers)
     return {"org": org, "project": project, **body.model_dump()}
 
 
