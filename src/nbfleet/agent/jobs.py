@@ -308,8 +308,15 @@ class JobRunner:
         return att.end_facts(results)
 
     async def _deliver(self, att: Attempt) -> None:
-        """Upload, then report the end until the control plane accepts or refuses it."""
+        """Upload, then report the end until the control plane accepts or refuses it.
+
+        An ended attempt is no longer heartbeated, so its retried report is what
+        keeps it from being declared lost: retries back off no further than the
+        heartbeat interval, or a control plane back from an outage would hear of it
+        only after its lost-worker grace (one heartbeat timeout) has run out.
+        """
         spec, delay = att.spec, RETRY_BASE_S
+        cap = min(RETRY_CAP_S, max(RETRY_BASE_S, self.heartbeat_s))
         while not att.stale:
             try:
                 if att.facts is None:
@@ -319,7 +326,7 @@ class JobRunner:
                 log.warning("finishing job %s attempt %d failed (%s); retrying in %.1fs",
                             spec.job_id, spec.attempt, exc, delay)
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, RETRY_CAP_S)
+                delay = min(delay * 2, cap)
                 continue
             if not accepted:
                 log.info("job %s attempt %d is stale; report dropped", spec.job_id, spec.attempt)
