@@ -17,11 +17,12 @@ $(STAMP): pyproject.toml requirements.lock
 up: $(STAMP)
 	$(BIN)/nbfleet up
 
-## Lint, type-check, then the whole suite on SQLite, and again on PostgreSQL when
-## NBFLEET_TEST_PG names a server (e.g. postgresql://postgres@127.0.0.1:5432/postgres):
-## every test that touches the database; those marked no_db would only repeat.
+## Lint, type-check, then the whole suite on SQLite (NBFLEET_TEST_PG emptied for it), and
+## again on PostgreSQL when NBFLEET_TEST_PG names a server (e.g.
+## postgresql://postgres@127.0.0.1:5432/postgres): every test that touches the database;
+## those marked no_db would only repeat.
 test: check
-	$(BIN)/python -m pytest
+	NBFLEET_TEST_PG= $(BIN)/python -m pytest
 	@if [ -n "$$NBFLEET_TEST_PG" ]; then \
 		echo "== the database tests again, on PostgreSQL ($$NBFLEET_TEST_PG)"; \
 		$(BIN)/python -m pytest -m "not no_db"; \
