@@ -9,7 +9,13 @@ import pytest
 
 from nbfleet.model.cluster import Gpu, Host, ResourceSpec
 from nbfleet.policy.fairness import QueuedWork, Tenant, UsageLedger
-from nbfleet.policy.job_dispatch import DispatchPlan, PendingJob, PlacedJob, plan_dispatch
+from nbfleet.policy.job_dispatch import (
+    DispatchPlan,
+    PendingJob,
+    PlacedJob,
+    can_act,
+    plan_dispatch,
+)
 from nbfleet.policy.job_placement import FreeGpus, Placement
 from nbfleet.policy.preemption import RunningWork
 
@@ -342,3 +348,16 @@ def test_avoid_is_ignored_when_only_avoided_hosts_could_run_the_job() -> None:
     plan = dispatch([job("paid", gpus=2, avoid=("h1",))],
                     fleet([host("h1", 2), host("h2")], placed), placed)
     assert preempted(plan) == [("paid", ["f1"])]
+
+
+def test_can_act_only_with_a_free_gpu_or_preemptible_work() -> None:
+    # Nothing free and nothing to preempt: no pass could plan anything, whatever queues.
+    full = [running("r1", "h1", preemptible=False)]
+    assert not can_act(fleet([host("h1")], full), full)
+    assert dispatch([job("p1")], fleet([host("h1")], full), full).starts == []
+    # A free GPU, or a preemptible victim not already stopping, and it could.
+    assert can_act(fleet([host("h1", gpus=2)], full), full)
+    victim = [running("r1", "h1")]
+    assert can_act(fleet([host("h1")], victim), victim)
+    stopping = [running("r1", "h1", preempting=True)]
+    assert not can_act(fleet([host("h1")], stopping), stopping)

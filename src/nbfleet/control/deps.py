@@ -45,14 +45,18 @@ def idempotent_reply(
     principal: auth.Principal,
     body: Any,
     action: Callable[[Session], tuple[int, dict[str, Any]]],
+    wake_reconciler: bool = True,
 ) -> JSONResponse:
-    """Run a mutation under the request's Idempotency-Key and answer with its outcome."""
+    """Run a mutation under the request's Idempotency-Key and answer with its outcome.
+
+    ``wake_reconciler``: nudge the workspace reconciler afterwards (mutations of
+    other resources, jobs say, have nothing for it to do)."""
     platform = platform_of(request)
     key = request.headers.get("idempotency-key")
     fingerprint = request_fingerprint(request.method, request.url.path, body)
     (status, payload), replayed = run_idempotent(platform.db, principal.user_id, key,
                                                  fingerprint, action)
-    if not replayed:
+    if not replayed and wake_reconciler:
         platform.wake()
     headers = {"Idempotent-Replayed": "true"} if replayed else {}
     if status >= 400:

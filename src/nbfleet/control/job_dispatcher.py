@@ -15,7 +15,10 @@ transaction that writes) a pass:
 4. now and then deletes results past their retention.
 
 It wakes on a submission or a finish in this process, on PostgreSQL's NOTIFY
-from any replica, and otherwise every ``job_dispatch_interval_s``.
+from any replica, and otherwise every ``job_dispatch_interval_s``. A wake-up runs
+step 1 only (and the agent calls it decided): the lease renewal and steps 2 to 4
+run at most once per interval, so a burst of submissions, each waking the
+dispatcher, costs one cheap pass per wake-up instead of the whole tick.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
 import threading
 import time
@@ -37,7 +41,7 @@ from nbfleet.jobs.admission import CHANNEL
 from nbfleet.jobs.dispatch import Fleet, StartOrder, StopOrder
 from nbfleet.model.errors import DomainError
 from nbfleet.model.jobs import Outcome
-from nbfleet.policy.job_dispatch import plan_dispatch
+from nbfleet.policy.job_dispatch import can_act, plan_dispatch
 from nbfleet.web.metrics import JOB_DISPATCH
 
 log = logging.getLogger(__name__)
@@ -60,6 +64,8 @@ class JobDispatcher:
         self.token: int | None = None
         self.leader_since: float | None = None
         self._last_retention = 0.0
+        #: When the lease was last renewed and steps 2-3 last ran (monotonic clock).
+        self._last_periodic = -math.inf
         self._stop_listening = threading.Event()
 
     # ----------------------------------------------------------------- loop
@@ -72,7 +78,7 @@ class JobDispatcher:
                 try:
                     await self.tick()
                 except LeaseLost:
-                    self.leader_since = None
+                    self.token = self.leader_since = None
                 except Exception:
                     log.exception("job dispatch pass failed")
                 with contextlib.suppress(TimeoutError):
@@ -110,18 +116,30 @@ class JobDispatcher:
         return thread
 
     async def tick(self) -> None:
-        self.token = await asyncio.to_thread(
-            leases.acquire, self.db, LEASE, self.platform.instance_id,
-            max(self.platform.config.lease_ttl_s, 2 * self.platform.config.job_dispatch_interval_s))
-        if self.token is None:
-            self.leader_since = None
-            return
-        if self.leader_since is None:
-            self.leader_since = time.monotonic()
+        """One dispatch pass; once per interval also the lease renewal, re-sent
+        start orders, the lost-worker sweep and (rarely) the retention purge. A
+        pass between renewals is safe: every write it makes checks the fencing
+        token, and the lease outlives two intervals."""
+        interval = self.platform.config.job_dispatch_interval_s
+        periodic = self.token is None or time.monotonic() - self._last_periodic >= interval
+        if periodic:
+            self.token = await asyncio.to_thread(
+                leases.acquire, self.db, LEASE, self.platform.instance_id,
+                max(self.platform.config.lease_ttl_s, 2 * interval))
+            if self.token is None:
+                self.leader_since = None
+                return
+            self._last_periodic = time.monotonic()
+            if self.leader_since is None:
+                self.leader_since = time.monotonic()
         starts, stops = await asyncio.to_thread(self.dispatch_pass)
-        resent = await asyncio.to_thread(self._resend)
-        await asyncio.gather(*(self._start(order) for order in [*starts, *resent]),
+        # The agent calls first: a start waits for nothing but its claim.
+        await asyncio.gather(*(self._start(order) for order in starts),
                              *(self._stop(order) for order in stops))
+        if not periodic:
+            return
+        resent = await asyncio.to_thread(self._resend)
+        await asyncio.gather(*(self._start(order) for order in resent))
         await asyncio.to_thread(self.sweep)
         if time.monotonic() - self._last_retention > RETENTION_EVERY_S:
             self._last_retention = time.monotonic()
@@ -142,6 +160,8 @@ class JobDispatcher:
         with self.db.transaction(write=False) as session:
             now = self.db.now(session)
             fleet = dispatch.load_fleet(session, now, self.platform.config.agent_timeout_s)
+            if not can_act(fleet.free, fleet.placed):
+                return [], []  # the queue's heads could not change the plan: skip them
             heads = max(1, min(MAX_HEADS, fleet.free.free_count()))
             pending = dispatch.load_queue(session, now, heads)
             if not pending:

@@ -165,9 +165,11 @@ def submit(session: Session, tenant: Tenant, request: JobRequest, settings: JobS
         preempt_requested=False, reason=None, quarantined=False, fingerprint=fingerprint,
         result=None, result_expires_at=None, created_at=now, updated_at=now,
         started_at=None, finished_at=None)
+    # The hold first, so the job row is inserted with it (one statement, not an
+    # insert and an update); nothing else can see the job before the commit.
+    job.hold_id = reserve_attempt(session, job, 1, actor, now)
     session.add(job)
     session.flush()
-    job.hold_id = reserve_attempt(session, job, 1, actor, now)
     submitted(session, job, now)
     notify(session)
     return job

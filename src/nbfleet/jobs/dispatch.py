@@ -78,10 +78,14 @@ def load_fleet(session: Session, now: datetime, agent_timeout_s: float) -> Fleet
     alive = now - timedelta(seconds=agent_timeout_s)
     hosts: list[Host] = []
     live: dict[str, LiveHost] = {}
-    for agent in session.execute(select(Agent).where(Agent.last_heartbeat_at >= alive)).scalars():
-        inventory = HostInventory(0, 0, gpu_groups(agent.inventory))
-        hosts.append(Host.from_inventory(agent.id, inventory))
-        live[agent.id] = LiveHost(agent.id, agent.url, agent.boot_id)
+    # Columns, not ORM entities, here and below: a pass reads every live host and
+    # every placed job, and building (then collecting) thousands of tracked objects
+    # was a large share of a pass over a big fleet.
+    for agent_id, url, boot_id, inventory in session.execute(
+            select(Agent.id, Agent.url, Agent.boot_id, Agent.inventory)
+            .where(Agent.last_heartbeat_at >= alive)):
+        hosts.append(Host.from_inventory(agent_id, HostInventory(0, 0, gpu_groups(inventory))))
+        live[agent_id] = LiveHost(agent_id, url, boot_id)
     by_id = {host.id: host for host in hosts}
     held: dict[tuple[str, str], list[int]] = {}
     for host_id, index, job_id in session.execute(
@@ -93,16 +97,16 @@ def load_fleet(session: Session, now: datetime, agent_timeout_s: float) -> Fleet
     free = FreeGpus(hosts)
     placed = []
     vram = {g.gpu_type: g.vram_gb for host in hosts for g in host.gpus}
-    for job in session.execute(
+    for (job_id, tenant_id, priority, gpus, preemptible, since, on_host, bound_type,
+         preempting, cancelling) in session.execute(
             select(Job.id, Job.project_id, Job.priority, Job.gpus, Job.preemptible,
-                   Job.started_at, Job.updated_at, Job.host_id, Job.gpu_type,
+                   func.coalesce(Job.started_at, Job.updated_at), Job.host_id, Job.gpu_type,
                    Job.preempt_requested, Job.cancel_requested)
             .where(Job.state.in_(list(PLACED)))):
-        work = RunningWork(job.id, job.project_id, job.priority, job.gpus, job.preemptible,
-                           seconds(job.started_at or job.updated_at))
-        gpu_type = job.gpu_type or ""
-        placed.append(PlacedJob(work, job.host_id or "", gpu_type, vram.get(gpu_type, 0),
-                                preempting=job.preempt_requested or job.cancel_requested))
+        work = RunningWork(job_id, tenant_id, priority, gpus, preemptible, seconds(since))
+        gpu_type = bound_type or ""
+        placed.append(PlacedJob(work, on_host or "", gpu_type, vram.get(gpu_type, 0),
+                                preempting=bool(preempting or cancelling)))
     return Fleet(free, live, placed)
 
 

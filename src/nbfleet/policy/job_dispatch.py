@@ -30,7 +30,7 @@ from nbfleet.policy.fairness import QueuedWork, Tenant, UsageLedger, order_queue
 from nbfleet.policy.job_placement import FreeGpus, Placement
 from nbfleet.policy.preemption import RunningWork, choose_victims, load_by_tenant
 
-__all__ = ["DispatchPlan", "PendingJob", "PlacedJob", "plan_dispatch"]
+__all__ = ["DispatchPlan", "PendingJob", "PlacedJob", "can_act", "plan_dispatch"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +145,14 @@ class _Preemptor:
                 self.by_host[host_id] = [c for c in self.by_host[host_id]
                                          if c.work.id not in taken]
         return best
+
+
+def can_act(free: FreeGpus, placed: Sequence[PlacedJob]) -> bool:
+    """Whether a pass could decide anything: with no GPU free and no running
+    preemptible work left to preempt, ``plan_dispatch`` plans nothing whatever
+    the queue holds, so a caller may skip reading it."""
+    return free.free_count() > 0 or any(
+        p.work.preemptible and not p.preempting and p.work.gpus > 0 for p in placed)
 
 
 def plan_dispatch(pending: Sequence[PendingJob], free: FreeGpus,

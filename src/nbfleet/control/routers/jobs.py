@@ -94,7 +94,8 @@ def submit_job(body: SubmitJob, request: Request,
                                platform.db.now(session))
         return 202, job_view(job)
 
-    response = idempotent_reply(request, principal, body.model_dump(), action)
+    response = idempotent_reply(request, principal, body.model_dump(), action,
+                                wake_reconciler=False)
     if response.status_code == 202:
         platform.wake_jobs()
     return response
