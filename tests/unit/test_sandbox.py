@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
-from nbfleet.agent.sandbox import Sandbox, SandboxUnavailable, make_sandbox
+from nbfleet.agent.sandbox import Sandbox, SandboxUnavailable, make_sandbox, unseen
 
 
 def test_wrap_hides_then_binds_back_and_ignores_sigint() -> None:
@@ -69,3 +71,13 @@ def test_a_python_environment_under_a_hidden_path_stays_visible(
     argv = sandbox.wrap(["python"], [], "/w")
     ro = argv.index("/tmp/clone/.venv")
     assert argv[ro - 1] == "--ro-bind" and ro > argv.index("/srv/agent")  # after the tmpfs
+
+
+def test_only_files_the_sandbox_would_hide_are_bound_back(tmp_path: Path) -> None:
+    hidden = tmp_path / "state"
+    venv = tmp_path / "venv"
+    sandbox = Sandbox("/usr/bin/bwrap", (str(hidden),), (str(venv),))
+    paths = ["/usr/bin/env", "/tmp/tool/gen", str(hidden / "bin" / "x"), str(venv / "python"),
+             "/tmp/tool/gen"]
+    assert unseen(sandbox, paths) == [os.path.realpath("/tmp/tool/gen"),
+                                      os.path.realpath(hidden / "bin" / "x")]

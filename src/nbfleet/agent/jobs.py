@@ -27,7 +27,7 @@ from typing import IO, Any, Protocol
 
 from nbfleet.agent import job_process as proc
 from nbfleet.agent.job_process import Attempt, JobSpec
-from nbfleet.agent.sandbox import Sandbox, gpu_devices
+from nbfleet.agent.sandbox import Sandbox, gpu_devices, unseen
 from nbfleet.model.errors import Conflict, InvalidInput
 from nbfleet.model.jobs import argv
 from nbfleet.storage.blobs import BlobStore
@@ -167,8 +167,12 @@ class JobRunner:
         executable = shutil.which(line[0])
         if executable is None:
             raise FileNotFoundError(f"no executable {line[0]!r} on this host")
+        # The command's own files (the binary, a script it runs) stay visible, read
+        # only, even under a hidden path such as /tmp.
+        files = unseen(self.sandbox, [part for part in [executable, *att.spec.command[1:]]
+                                      if os.path.isabs(part) and os.path.isfile(part)])
         return self.sandbox.wrap([executable, *line[1:]], [att.workdir], att.workdir,
-                                 devices=gpu_devices(), job=True)
+                                 devices=gpu_devices(), job=True, readonly=files)
 
     def _status(self, returncode: int) -> int:
         """The binary's own status: under bwrap, 128 + N is death by signal N (as

@@ -37,17 +37,20 @@ class Sandbox:
     readonly: tuple[str, ...] = ()
 
     def wrap(self, argv: list[str], visible: list[str], workdir: str,
-             devices: list[str] | None = None, job: bool = False) -> list[str]:
+             devices: list[str] | None = None, job: bool = False,
+             readonly: list[str] | None = None) -> list[str]:
         """``argv`` inside the sandbox; ``devices`` are device nodes to pass through
-        (a job's GPUs: ``/dev/nvidia*``). Under bwrap a child killed by signal N
-        ends bwrap with exit status 128 + N, as a shell reports it."""
+        (a job's GPUs: ``/dev/nvidia*``), ``readonly`` more paths bound back
+        read-only (a job's binary, when it lives under a hidden path). Under bwrap
+        a child killed by signal N ends bwrap with exit status 128 + N, as a shell
+        reports it."""
         command = [self.bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
                    "--tmpfs", "/tmp"]
         for device in devices or ():
             command += ["--dev-bind", device, device]
         for path in self.hidden:
             command += ["--tmpfs", path]
-        for path in self.readonly:
+        for path in (*self.readonly, *(readonly or ())):
             command += ["--ro-bind", path, path]
         for path in visible:
             command += ["--bind", path, path]
@@ -64,6 +67,17 @@ class Sandbox:
         # `env --default-signal` gives the binary the default handlers back.
         return ["/bin/sh", "-c", 'trap "" INT TERM; exec "$@"', "nbfleet-sandbox", *command,
                 "env", "--default-signal=INT,TERM", *argv]
+
+
+def unseen(sandbox: Sandbox, paths: list[str]) -> list[str]:
+    """Those of ``paths`` (resolved) the sandbox would hide: under ``/tmp`` or a hidden
+    directory, and not already bound back."""
+    found = []
+    for path in map(os.path.realpath, paths):
+        covered = any(_under(path, c) for c in ("/tmp", *sandbox.hidden))
+        if covered and not any(_under(path, r) for r in sandbox.readonly):
+            found.append(path)
+    return list(dict.fromkeys(found))
 
 
 def gpu_devices() -> list[str]:
