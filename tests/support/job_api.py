@@ -109,4 +109,19 @@ def wait_all(client: httpx.Client, job_ids: list[str], timeout: float = 180.0
         time.sleep(0.5)
 
 
-__all__ = ["CREDIT", "Tenant", "funded_tenant", "grant", "verified"]
+#: Re-exported for the job tests, so they import their helpers from one place.
+__all__ = [
+    "AGENT_ARGS",
+    "CONTROL_ARGS",
+    "CREDIT",
+    "FAKEGEN",
+    "Tenant",
+    "funded_tenant",
+    "job_cluster",
+    "key",
+    "register",
+    "submit",
+    "verified",
+    "wait_all",
+    "wait_job",
+]
