@@ -16,7 +16,8 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -24,6 +25,8 @@ from jupyter_client.asynchronous.client import AsyncKernelClient
 from jupyter_client.manager import AsyncKernelManager
 from rich.console import Console
 
+from nbfleet.db.engine import Database
+from nbfleet.db.migrate import upgrade
 from nbfleet.sdk.kernel_socket import KernelSocket
 
 START_TIMEOUT_S = 120.0
@@ -66,7 +69,7 @@ def nbfleet_up(home: Path, *args: str) -> Iterator[str]:
         )
     try:
         try:
-            _wait_healthy(proc, url)
+            wait_for(lambda: healthy(url), proc, f"nbfleet up on {url}")
         except BaseException:
             stderr.print(f"nbfleet up log ({log}):\n{_tail(log)}", markup=False)
             raise
@@ -75,21 +78,52 @@ def nbfleet_up(home: Path, *args: str) -> Iterator[str]:
         _stop(proc)
 
 
-def _wait_healthy(proc: subprocess.Popen[bytes], url: str) -> None:
+def wait_for(ready: Callable[[], bool], proc: subprocess.Popen[bytes], what: str) -> None:
+    """Until ``ready()``; fails at once if ``proc`` exits, or after START_TIMEOUT_S."""
     deadline = time.monotonic() + START_TIMEOUT_S
-    while not _healthy(url):
+    while not ready():
         if proc.poll() is not None:
-            raise RuntimeError(f"nbfleet up exited with {proc.returncode}")
+            raise RuntimeError(f"{what} exited with {proc.returncode}")
         if time.monotonic() > deadline:
-            raise TimeoutError(f"nbfleet up did not answer on {url}")
+            raise TimeoutError(f"{what} did not come up")
         time.sleep(0.1)
 
 
-def _healthy(url: str) -> bool:
+def healthy(url: str) -> bool:
     try:
         return httpx.get(f"{url}/healthz", timeout=2.0).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+@contextlib.contextmanager
+def throwaway_db(kind: str, pg_url: str, directory: Path, name: str) -> Iterator[Database]:
+    """A migrated, empty database of ``kind`` (``directory/name.db``, or a fresh
+    PostgreSQL database), removed afterwards."""
+    if kind == "sqlite":
+        directory.mkdir(parents=True, exist_ok=True)
+        sqlite = Database(f"sqlite:///{directory / f'{name}.db'}")
+        try:
+            upgrade(sqlite.engine)
+            yield sqlite
+        finally:
+            sqlite.dispose()
+        return
+    import psycopg
+
+    database = f"nbf_bench_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{database}"')
+    db: Database | None = None
+    try:
+        db = Database(f"{pg_url.rsplit('/', 1)[0]}/{database}")
+        upgrade(db.engine)
+        yield db
+    finally:
+        if db is not None:
+            db.dispose()
+        with psycopg.connect(pg_url, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
 
 
 def _tail(path: Path, chars: int = 4000) -> str:

@@ -79,13 +79,12 @@ import httpx
 from sqlalchemy import func, insert, select, update
 from sqlalchemy.orm import Session
 
-from harness import emit, free_port, stderr
+from harness import emit, free_port, healthy, stderr, throwaway_db, wait_for
 from nbfleet.control import auth, leases, tenancy
 from nbfleet.control.idempotency import request_fingerprint, run_idempotent
 from nbfleet.control.job_dispatcher import LEASE, MAX_HEADS
 from nbfleet.db.engine import Database
 from nbfleet.db.job_tables import Job, JobAttempt
-from nbfleet.db.migrate import upgrade
 from nbfleet.db.tables import Agent, Project, User
 from nbfleet.jobs import admission, attempts, binaries, dispatch
 from nbfleet.jobs.settings import JobSettings
@@ -118,36 +117,6 @@ GPU_CHOICES = ((1, 60), (2, 20), (4, 15), (8, 5))
 START_TIMEOUT_S = 60.0
 TERMINAL = {"succeeded", "failed", "timed_out", "cancelled", "dead_lettered"}
 PG_DEFAULT = "postgresql://postgres@127.0.0.1:5432/postgres"
-
-
-@contextlib.contextmanager
-def throwaway_db(kind: str, pg_url: str, directory: Path) -> Iterator[Database]:
-    """A migrated, empty database of ``kind`` (a file in ``directory``, or a fresh
-    PostgreSQL database), removed afterwards."""
-    if kind == "sqlite":
-        directory.mkdir(parents=True, exist_ok=True)
-        sqlite = Database(f"sqlite:///{directory / 'jobs-bench.db'}")
-        try:
-            upgrade(sqlite.engine)
-            yield sqlite
-        finally:
-            sqlite.dispose()
-        return
-    import psycopg
-
-    name = f"nbf_bench_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(pg_url, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    db: Database | None = None
-    try:
-        db = Database(f"{pg_url.rsplit('/', 1)[0]}/{name}")
-        upgrade(db.engine)
-        yield db
-    finally:
-        if db is not None:
-            db.dispose()
-        with psycopg.connect(pg_url, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 # ------------------------------------------------------------------ processes
@@ -184,23 +153,6 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
-
-
-def wait_for(ready: Callable[[], bool], proc: subprocess.Popen[bytes], what: str) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while not ready():
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} did not come up")
-        time.sleep(0.1)
-
-
-def healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/healthz", timeout=2.0).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 @contextlib.contextmanager
@@ -476,7 +428,7 @@ def measure_in_process(db: Database, tenants: list[Tenant], args: argparse.Names
 
 
 def run_submit(kind: str, args: argparse.Namespace, tmp: Path) -> dict[str, float]:
-    with throwaway_db(kind, args.pg_url, tmp / "submit-db") as db:
+    with throwaway_db(kind, args.pg_url, tmp / "submit-db", "jobs-bench") as db:
         # Shapes admission accepts, on hosts nobody hears from: jobs only queue.
         add_hosts(db, 8, 8, alive=False)
         register_binary(db, ["/bin/true"])
@@ -650,7 +602,7 @@ def steady(db: Database, token: int, free: int, repeats: int) -> dict[str, float
 def run_dispatch(kind: str, args: argparse.Namespace, tmp: Path) -> dict[str, float]:
     result: dict[str, float] = {}
     rng = random.Random(7)
-    with throwaway_db(kind, args.pg_url, tmp / "dispatch-db") as db:
+    with throwaway_db(kind, args.pg_url, tmp / "dispatch-db", "jobs-bench") as db:
         with stderr.status(f"{kind} dispatch: {args.hosts} hosts, "
                            f"{args.dispatch_tenants} tenants"):
             result["hosts"] = args.hosts
@@ -788,7 +740,7 @@ def wait_ended(http: httpx.Client, ids: list[str], timeout: float = 60.0) -> int
 
 def run_latency(kind: str, args: argparse.Namespace, tmp: Path) -> dict[str, float]:
     home = tmp / "latency-home"
-    with throwaway_db(kind, args.pg_url, tmp / "latency-db") as db:
+    with throwaway_db(kind, args.pg_url, tmp / "latency-db", "jobs-bench") as db:
         register_binary(db, [sys.executable, str(FAKEGEN)])
         (tenant,) = new_tenants(db, 1)
         with control_plane(db.url, home, "--job-dispatch-interval", "1") as (url, _), \

@@ -29,24 +29,22 @@ worst case); ``--tenants per-client`` gives each client its own.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import sys
 import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from sqlalchemy import func, select, text
 
-from harness import emit, stderr
+from harness import emit, stderr, throwaway_db
 from nbfleet.control import tenancy
 from nbfleet.db.credit_tables import CreditBucket, CreditHold
 from nbfleet.db.engine import Database
-from nbfleet.db.migrate import upgrade
 from nbfleet.db.tables import User
 from nbfleet.ledger import audit, grants, holds, service, verify
 from nbfleet.ledger.metering import APPLIED, UsageReport
@@ -70,34 +68,6 @@ PG_DEFAULT = "postgresql://postgres@127.0.0.1:5432/postgres"
 
 
 # ----------------------------------------------------------------------- databases
-@contextlib.contextmanager
-def throwaway_db(kind: str, pg_url: str, directory: Path) -> Iterator[Database]:
-    """A migrated, empty database of ``kind``, removed afterwards."""
-    if kind == "sqlite":
-        db = Database(f"sqlite:///{directory / 'ledger-bench.db'}")
-        try:
-            upgrade(db.engine)
-            yield db
-        finally:
-            db.dispose()
-        return
-    import psycopg
-
-    name = f"nbf_bench_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(pg_url, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    db = None
-    try:
-        db = Database(f"{pg_url.rsplit('/', 1)[0]}/{name}")
-        upgrade(db.engine)
-        yield db
-    finally:
-        if db is not None:
-            db.dispose()
-        with psycopg.connect(pg_url, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
 @dataclass(frozen=True)
 class Tenant:
     org_id: str
@@ -316,7 +286,7 @@ def check(db: Database) -> dict[str, float]:
 
 def run_db(kind: str, args: argparse.Namespace, directory: Path) -> bool:
     ok = True
-    with throwaway_db(kind, args.pg_url, directory) as db:
+    with throwaway_db(kind, args.pg_url, directory, "ledger-bench") as db:
         shared = new_tenant(db) if args.tenants == "shared" else None
         for n_clients in args.clients:
             result = measure(db, kind, n_clients, args, shared)
