@@ -319,3 +319,31 @@ def test_results_and_logs_are_deleted_after_retention(db: Database, tenant: Tena
         results.downloads(gone, blobs, b"k", "http://x", 0.0, 60.0)
     assert results.purge(db, blobs) == 0  # done once
     assert J.load(db, kept.id).result
+
+
+def test_unconfirmed_starts_are_sent_again_to_live_hosts_only(db: Database,
+                                                             tenant: Tenant) -> None:
+    from sqlalchemy import update
+
+    from nbfleet.db.tables import Agent
+    from nbfleet.jobs import dispatch
+
+    job = J.submit(db, tenant, timeout_s=60)
+    (order,) = J.dispatch_pass(db).starts
+
+    def resend() -> list[dispatch.StartOrder]:
+        with db.transaction(write=False) as session:
+            return dispatch.resend_orders(session, J.SETTINGS, db.now(session), after_s=0,
+                                          agent_timeout_s=30)
+
+    (again,) = resend()
+    assert (again.job_id, again.attempt, again.host, again.body) == (
+        order.job_id, order.attempt, order.host, order.body)
+    with db.transaction() as session:
+        session.execute(update(Agent).values(
+            last_heartbeat_at=db.now(session) - timedelta(seconds=60)))
+    assert resend() == []  # its host is dead: the lost-worker sweep will end it
+    J.add_host(db, "host-a", A100)  # alive again
+    with db.transaction() as session:
+        assert attempts.started(session, job.id, 1, db.now(session))
+    assert resend() == []  # confirmed: nothing to send

@@ -38,7 +38,7 @@ from nbfleet.control import leases
 from nbfleet.control.platform import Platform
 from nbfleet.jobs import attempts, dispatch, results
 from nbfleet.jobs.admission import CHANNEL
-from nbfleet.jobs.dispatch import Fleet, StartOrder, StopOrder
+from nbfleet.jobs.dispatch import StartOrder, StopOrder
 from nbfleet.model.errors import DomainError
 from nbfleet.model.jobs import Outcome
 from nbfleet.policy.job_dispatch import can_act, plan_dispatch
@@ -150,11 +150,6 @@ class JobDispatcher:
             raise LeaseLost()
 
     # ------------------------------------------------------------- dispatch
-    def _fleet(self) -> Fleet:
-        with self.db.transaction(write=False) as session:
-            return dispatch.load_fleet(session, self.db.now(session),
-                                       self.platform.config.agent_timeout_s)
-
     def dispatch_pass(self) -> tuple[list[StartOrder], list[StopOrder]]:
         """Plan and claim one pass (blocking); returns the agent calls to make."""
         with self.db.transaction(write=False) as session:
@@ -186,10 +181,11 @@ class JobDispatcher:
         return orders, stops
 
     def _resend(self) -> list[StartOrder]:
-        fleet = self._fleet()
         with self.db.transaction(write=False) as session:
-            return dispatch.resend_orders(session, fleet, self.settings, self.db.now(session),
-                                          after_s=max(2.0, self.settings.heartbeat_timeout_s / 3))
+            return dispatch.resend_orders(
+                session, self.settings, self.db.now(session),
+                after_s=max(2.0, self.settings.heartbeat_timeout_s / 3),
+                agent_timeout_s=self.platform.config.agent_timeout_s)
 
     async def _start(self, order: StartOrder) -> None:
         try:

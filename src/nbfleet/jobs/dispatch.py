@@ -196,21 +196,29 @@ def _order(job: Job, attempt: int, indices: Sequence[int], gpu_type: str, host: 
         "kill_grace_s": settings.kill_grace_s, "blob_prefix": f"jobs/{job.id}/{attempt}"})
 
 
-def resend_orders(session: Session, fleet: Fleet, settings: JobSettings, now: datetime,
-                  after_s: float, limit: int = 100) -> list[StartOrder]:
+def resend_orders(session: Session, settings: JobSettings, now: datetime, after_s: float,
+                  agent_timeout_s: float, limit: int = 100) -> list[StartOrder]:
     """Start orders for attempts scheduled but never confirmed: a dispatcher that
     crashed between its claim and its call to the agent left them. The agent's
-    start is idempotent, so sending one twice is harmless."""
+    start is idempotent, so sending one twice is harmless. Only those attempts'
+    hosts are read (and only if they are alive), not the whole fleet."""
     cutoff = now - timedelta(seconds=after_s)
     rows = session.execute(
         select(Job, JobAttempt).join(JobAttempt, (JobAttempt.job_id == Job.id)
                                      & (JobAttempt.attempt == Job.attempt))
         .where(JobAttempt.state == SCHEDULED, JobAttempt.created_at < cutoff)
         .limit(limit)).all()
+    if not rows:
+        return []
+    alive = now - timedelta(seconds=agent_timeout_s)
+    hosts = {agent_id: LiveHost(agent_id, url, boot_id) for agent_id, url, boot_id in
+             session.execute(select(Agent.id, Agent.url, Agent.boot_id).where(
+                 Agent.id.in_(sorted({attempt.host_id for _job, attempt in rows})),
+                 Agent.last_heartbeat_at >= alive))}
     commands = _commands(session, {(job.binary, attempt.binary_version) for job, attempt in rows})
     orders = []
     for job, attempt in rows:
-        host = fleet.hosts.get(attempt.host_id)
+        host = hosts.get(attempt.host_id)
         command = commands.get((job.binary, attempt.binary_version))
         if host is not None and host.boot_id == attempt.host_boot_id and command is not None:
             orders.append(_order(job, attempt.attempt, attempt.gpu_indices, attempt.gpu_type,
