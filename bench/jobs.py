@@ -69,7 +69,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -79,6 +79,7 @@ import httpx
 from sqlalchemy import func, insert, select, update
 from sqlalchemy.orm import Session
 
+import loadgen
 from harness import emit, free_port, healthy, stderr, throwaway_db, wait_for
 from nbfleet.control import auth, leases, tenancy
 from nbfleet.control.idempotency import request_fingerprint, run_idempotent
@@ -306,9 +307,6 @@ def job_body(seed: int, **extra: Any) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------- part 1: submit
-Request = Callable[[httpx.AsyncClient, int], Awaitable[httpx.Response]]
-
-
 @dataclass
 class Blast:
     per_s: float
@@ -317,25 +315,12 @@ class Blast:
     client_cpu_ms: float
 
 
-async def blast(clients: Sequence[httpx.AsyncClient], request: Request, total: int,
-                expect: int, server_pid: int) -> Blast:
-    """``total`` requests, one worker per client, all at once. Raises on the first
-    answer that is not ``expect``."""
-    counter = itertools.count()
-
-    async def worker(index: int) -> None:
-        while next(counter) < total:
-            response = await request(clients[index], index)
-            if response.status_code != expect:
-                raise RuntimeError(f"{response.request.method} {response.request.url.path}: "
-                                   f"{response.status_code} {response.text[:300]}")
-
-    server, client = cpu_seconds(server_pid), time.process_time()
-    start = time.perf_counter()
-    await asyncio.gather(*(worker(i) for i in range(len(clients))))
-    elapsed = time.perf_counter() - start
-    return Blast(total / elapsed, (cpu_seconds(server_pid) - server) * 1000 / total,
-                 (time.process_time() - client) * 1000 / total)
+async def blast(connections: Sequence[loadgen.Connection], make: loadgen.MakeRequest,
+                total: int, expect: int, server_pid: int) -> Blast:
+    server = cpu_seconds(server_pid)
+    run = await loadgen.blast(connections, make, total, expect)
+    return Blast(run.per_s, (cpu_seconds(server_pid) - server) * 1000 / total,
+                 run.client_cpu_ms)
 
 
 async def measure_http(url: str, server_pid: int, tenants: list[Tenant],
@@ -343,36 +328,36 @@ async def measure_http(url: str, server_pid: int, tenants: list[Tenant],
     headers = [{"Authorization": f"Bearer {t.token}"} for t in tenants]
     seeds = itertools.count()
 
-    async def healthz(http: httpx.AsyncClient, worker: int) -> httpx.Response:
-        return await http.get("/healthz")
+    def healthz(n: int, worker: int) -> loadgen.RequestSpec:
+        return "GET", "/healthz", {}, None
 
-    async def authed_get(http: httpx.AsyncClient, worker: int) -> httpx.Response:
-        return await http.get("/v1/binaries", headers=headers[worker % len(headers)])
+    def authed_get(n: int, worker: int) -> loadgen.RequestSpec:
+        return "GET", "/v1/binaries", headers[worker % len(headers)], None
 
-    async def submit(http: httpx.AsyncClient, worker: int) -> httpx.Response:
-        return await http.post("/v1/jobs", json=job_body(next(seeds)), headers={
-            **headers[worker % len(headers)], "Idempotency-Key": str(uuid.uuid4())})
+    def submit(n: int, worker: int) -> loadgen.RequestSpec:
+        return "POST", "/v1/jobs", {**headers[worker % len(headers)],
+                                    "Idempotency-Key": str(uuid.uuid4())}, job_body(next(seeds))
 
-    phases: list[tuple[str, Request, int]] = [
+    phases: list[tuple[str, loadgen.MakeRequest, int]] = [
         ("healthz", healthz, 200), ("authed_get", authed_get, 200), ("submit", submit, 202)]
     samples: dict[str, list[Blast]] = {name: [] for name, _, _ in phases}
-    # A client (and its one connection) per worker: httpx's shared pool costs the
-    # client CPU in proportion to its connections on every request, and with 32 of
-    # them the client, not the server, would set the floor.
-    async with contextlib.AsyncExitStack() as stack:
-        clients = [await stack.enter_async_context(
-            httpx.AsyncClient(base_url=url, timeout=60.0, limits=httpx.Limits(max_connections=1)))
-            for _ in range(args.clients)]
-        for _name, request, expect in phases:  # warm up: connections, caches
-            await blast(clients, request, min(200, args.submissions), expect, server_pid)
+    # One keep-alive connection per client, on the lean client (loadgen.py): with
+    # httpx the clients' CPU, not the server, set the ceiling on these two cores.
+    connections = [await loadgen.Connection.open(url) for _ in range(args.clients)]
+    try:
+        for _name, make, expect in phases:  # warm up: connections, caches
+            await blast(connections, make, min(200, args.submissions), expect, server_pid)
         for repeat in range(args.repeats):
             # ABC, then CBA: drift in the machine's load hits every phase alike.
             order = phases if repeat % 2 == 0 else phases[::-1]
-            for name, request, expect in order:
+            for name, make, expect in order:
                 stderr.print(f"  submit: repeat {repeat + 1}/{args.repeats}: {name}",
                              highlight=False)
-                samples[name].append(await blast(clients, request, args.submissions, expect,
+                samples[name].append(await blast(connections, make, args.submissions, expect,
                                                  server_pid))
+    finally:
+        for connection in connections:
+            await connection.close()
     result: dict[str, float] = {}
     for name, blasts in samples.items():
         result[f"{name}_per_s"] = statistics.median(b.per_s for b in blasts)

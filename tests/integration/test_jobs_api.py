@@ -7,8 +7,11 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
+import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlencode, urlparse
@@ -25,6 +28,7 @@ from tests.support.job_api import (
     key,
     register,
     submit,
+    wait_all,
     wait_job,
 )
 
@@ -149,6 +153,51 @@ def test_submit_is_idempotent_and_bad_input_is_explained(jobs: Cluster, alice: T
         assert response.status_code in (404, 422), (bad, response.text)
         assert response.headers["content-type"].startswith("application/problem+json")
         assert field in response.text, (bad, response.text)
+
+
+def test_50_concurrent_clients_and_their_retries_get_one_job_per_key(
+        jobs: Cluster, alice: Tenant) -> None:
+    """Submissions are admitted in batches: 50 clients at once, 10 of them sending
+    their request twice at the same moment, get exactly one job per key (a racing
+    duplicate gets the same job or 409), and every other answer is its own."""
+    body = {"binary": "fakegen", "args": {"behavior": "success", "duration": 0.05},
+            "timeout_s": 30}
+    keys = [str(uuid.uuid4()) for _ in range(40)]
+    sends = [(k, {**body, "name": f"conc-{i}"}) for i, k in enumerate(keys)]
+    sends += [(k, {**body, "name": f"conc-{i}"}) for i, k in enumerate(keys[:10])]
+    barrier = threading.Barrier(len(sends))
+    token = alice.client.headers["authorization"]
+
+    def send(item: tuple[str, dict[str, Any]]) -> tuple[str, httpx.Response]:
+        idempotency_key, payload = item
+        with httpx.Client(base_url=jobs.url, timeout=60,
+                          headers={"Authorization": token}) as client:
+            barrier.wait(30)
+            return idempotency_key, client.post("/v1/jobs", json=payload,
+                                                headers={"Idempotency-Key": idempotency_key})
+
+    with ThreadPoolExecutor(len(sends)) as pool:
+        answers = list(pool.map(send, sends))
+    by_key: dict[str, set[str]] = {}
+    for idempotency_key, response in answers:
+        assert response.status_code in (202, 409), response.text
+        if response.status_code == 202:
+            by_key.setdefault(idempotency_key, set()).add(response.json()["id"])
+    assert set(by_key) == set(keys)  # every key got its job...
+    assert all(len(ids) == 1 for ids in by_key.values())  # ...exactly one
+    names = [job["name"] for job in alice.client.get("/v1/jobs", params={"limit": 500})
+             .json()["items"] if (job["name"] or "").startswith("conc-")]
+    assert sorted(names) == sorted(f"conc-{i}" for i in range(40))  # none twice
+    wait_all(alice.client, [next(iter(ids)) for ids in by_key.values()])
+    verified(jobs)
+
+
+def test_a_submission_needs_a_valid_token(jobs: Cluster) -> None:
+    body = {"binary": "fakegen", "args": {}}
+    for headers in ({}, {"Authorization": "Bearer nbf_not-a-token"}):
+        response = httpx.post(f"{jobs.url}/v1/jobs", json=body, headers=headers)
+        assert response.status_code == 401, response.text
+        assert response.headers["content-type"].startswith("application/problem+json")
 
 
 def test_jobs_are_invisible_to_other_tenants(jobs: Cluster, alice: Tenant) -> None:

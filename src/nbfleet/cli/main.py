@@ -17,6 +17,8 @@ from nbfleet.model.errors import DomainError
 from nbfleet.model.resources import parse_gpu_spec
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from nbfleet.cli.servers import Serving
 
 # The server stack (FastAPI, SQLAlchemy, jupyter_client) is imported inside the
@@ -146,7 +148,9 @@ def _check_rate_limit_options(rate: str, storage: str) -> None:
 
 def _control(home: Path, db: str | None, blobs: str | None, secret: str | None,
              host: str, port: int, log_level: str, lifecycle: dict[str, Any]
-             ) -> tuple[Serving, str, str]:
+             ) -> tuple[Serving, str, str, Callable[[], Serving]]:
+    """The control plane's server (migrated DB, admin token, bound socket), its URL,
+    the admin token, and a factory for more servers on the same socket (workers)."""
     from nbfleet.cli.servers import Serving, _Server, bind, load_or_create_secret, uvicorn_config
     from nbfleet.control.app import create_app
     from nbfleet.control.platform import ControlConfig
@@ -161,8 +165,11 @@ def _control(home: Path, db: str | None, blobs: str | None, secret: str | None,
     sock = bind(host, port)
     url = f"http://{host}:{sock.getsockname()[1]}"
     write_secret(str(home / "url"), url)
-    serving = Serving(_Server(uvicorn_config(control_app, log_level)), sock)
-    return serving, url, token
+
+    def another() -> Serving:
+        return Serving(_Server(uvicorn_config(create_app(config), log_level)), sock)
+
+    return Serving(_Server(uvicorn_config(control_app, log_level)), sock), url, token, another
 
 
 def _banner(url: str, token: str, home: Path) -> None:
@@ -222,7 +229,8 @@ def up(
                  **_job_options(job_tiers, gpu_prices, job_heartbeat_timeout, job_kill_grace,
                                 job_result_retention, job_retry_backoff,
                                 job_dispatch_interval)}
-    control, url, token = _control(state, None, None, None, host, port, log_level, lifecycle)
+    control, url, token, _ = _control(state, None, None, None, host, port, log_level,
+                                      lifecycle)
     agent = agent_server(
         AgentConfig(control_url=url, secret=load_or_create_secret(state / "cluster-secret"),
                     state_dir=str(state / "agent"), gpus=gpus, sandbox=sandbox,
@@ -260,10 +268,20 @@ def control(
     job_result_retention: float = JOB_RETENTION_OPT,
     job_retry_backoff: float = JOB_BACKOFF_OPT,
     job_dispatch_interval: float = JOB_DISPATCH_OPT,
+    workers: int = typer.Option(1, "--workers", min=1, max=64,
+                                help="Processes serving the port, each a control-plane "
+                                     "replica (PostgreSQL only); a worker that dies is "
+                                     "restarted"),
     log_level: str = LOG_OPT,
 ) -> None:
     """Run the control plane alone (agents join with `nbfleet agent`)."""
-    from nbfleet.cli.servers import configure_logging, serve_all
+    from nbfleet.cli.servers import (
+        configure_logging,
+        release_db,
+        run_fast,
+        serve_all,
+        serve_forked,
+    )
 
     configure_logging(log_level)
     _check_suspend_options(suspend_on_busy)
@@ -277,9 +295,18 @@ def control(
                  **_job_options(job_tiers, gpu_prices, job_heartbeat_timeout, job_kill_grace,
                                 job_result_retention, job_retry_backoff,
                                 job_dispatch_interval)}
-    serving, url, token = _control(state, db, blobs, secret, host, port, log_level, lifecycle)
+    if workers > 1 and not (db or "").startswith("postgresql"):
+        console.print("[red]error:[/red] --workers above 1 needs PostgreSQL (--db "
+                      "postgresql://...): SQLite has one writer")
+        raise typer.Exit(2)
+    serving, url, token, another = _control(state, db, blobs, secret, host, port, log_level,
+                                            lifecycle)
     _banner(url, token, state)
-    asyncio.run(serve_all([serving]))
+    if workers == 1:
+        run_fast(serve_all([serving]))
+        return
+    release_db(serving)  # no pooled connection may cross a fork
+    serve_forked(another, workers)
 
 
 @app.command()

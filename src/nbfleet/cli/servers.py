@@ -9,9 +9,11 @@ import os
 import secrets
 import signal
 import socket
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import uvicorn
 from fastapi import FastAPI
@@ -82,6 +84,77 @@ def agent_server(config: AgentConfig, host: str, port: int, log_level: str) -> S
         config.advertise_url = f"http://{bound_host}:{bound_port}"
     app = create_agent_app(service)
     return Serving(_Server(uvicorn_config(app, log_level)), sock)
+
+
+def run_fast(main: Coroutine[Any, Any, None]) -> None:
+    """Run ``main`` on uvloop (which uvicorn[standard] brings) where it is there.
+
+    The control plane alone spends most of its HTTP time in the event loop's own
+    transports; uvloop's, written in C, cost a fraction of asyncio's. Processes
+    that host kernels and jobs (``agent``, ``up``) stay on asyncio's loop, which
+    their ZeroMQ relays and subprocess handling are tested on.
+    """
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+        return
+    uvloop.run(main)
+
+
+def release_db(serving: Serving) -> None:
+    """Close a control-plane server's pooled DB connections (before forking)."""
+    app = cast(FastAPI, serving.server.config.app)
+    app.state.platform.db.dispose()
+
+
+def serve_forked(build: Callable[[], Serving], workers: int) -> None:
+    """Serve from ``workers`` forked processes, each running ``build()`` (a whole
+    control-plane replica with its own event loop and connection pool) on the one
+    listening socket they inherit: the kernel spreads connections among them, so a
+    host's cores are all used. A worker that dies is replaced; SIGTERM or SIGINT
+    stops them all. Blocks until they have exited."""
+    log = logging.getLogger("nbfleet.workers")
+    children: set[int] = set()
+    stopping = False
+
+    def spawn() -> None:
+        pid = os.fork()
+        if pid:
+            children.add(pid)
+            return
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)
+        code = 0
+        try:
+            run_fast(serve_all([build()]))
+        except BaseException:
+            log.exception("control-plane worker %d failed", os.getpid())
+            code = 1
+        os._exit(code)
+
+    def stop(_signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    for _ in range(workers):
+        spawn()
+    while children:
+        try:
+            pid, status = os.wait()
+        except ChildProcessError:
+            return
+        children.discard(pid)
+        if not stopping:
+            log.warning("control-plane worker %d exited (status %d); starting another",
+                        pid, status)
+            time.sleep(1.0)
+            spawn()
 
 
 async def serve_all(servings: list[Serving]) -> None:

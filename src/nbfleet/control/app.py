@@ -10,6 +10,7 @@ from fastapi import FastAPI, Response
 
 from nbfleet import __version__
 from nbfleet.control import credit_reaper, culler, housekeeping, job_dispatcher, leases
+from nbfleet.control.job_intake import JobIntake
 from nbfleet.control.platform import ControlConfig, Platform
 from nbfleet.control.reconciler import LEASE, Reconciler
 from nbfleet.control.routers import (
@@ -55,6 +56,7 @@ def create_app(config: ControlConfig, run_reconciler: bool = True) -> FastAPI:
             # Let another replica take over now.
             for lease in (LEASE, housekeeping.LEASE, culler.LEASE, job_dispatcher.LEASE):
                 await asyncio.to_thread(leases.release, platform.db, lease, platform.instance_id)
+            await asyncio.to_thread(job_intake.close)
             await platform.aclose()
 
     app = FastAPI(
@@ -64,6 +66,7 @@ def create_app(config: ControlConfig, run_reconciler: bool = True) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.platform = platform
+    job_intake = app.state.job_intake = JobIntake(platform)
     if limit is not None:  # inside the timer, so 429s are timed and counted too
         app.add_middleware(RateLimitMiddleware, limit=limit,
                            exempt=frozenset({token_key(config.secret)}))
@@ -75,7 +78,7 @@ def create_app(config: ControlConfig, run_reconciler: bool = True) -> FastAPI:
     app.include_router(jobs.download)
 
     @app.get("/healthz", tags=["ops"], summary="Liveness")
-    def healthz() -> dict[str, str]:
+    async def healthz() -> dict[str, str]:  # no I/O: no worker-thread hop
         return {"status": "ok", "version": __version__}
 
     @app.get("/metrics", tags=["ops"], summary="Prometheus metrics")

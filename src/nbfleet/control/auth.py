@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from nbfleet.db.queries import among
 from nbfleet.db.tables import ApiToken, User
 from nbfleet.model.errors import Unauthorized
 
@@ -39,14 +41,28 @@ def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
+MISSING = "missing credentials: send 'Authorization: Bearer <token>'"
+INVALID = "invalid or revoked token"
+
+
 def resolve(session: Session, token: str | None) -> Principal:
     if not token:
-        raise Unauthorized("missing credentials: send 'Authorization: Bearer <token>'")
-    row = session.execute(
-        select(User)
-        .join(ApiToken, ApiToken.user_id == User.id)
-        .where(ApiToken.token_hash == hash_token(token), ApiToken.revoked_at.is_(None))
-    ).scalar_one_or_none()
-    if row is None:
-        raise Unauthorized("invalid or revoked token")
-    return Principal(row.id, row.org_id, row.project_id, row.is_admin)
+        raise Unauthorized(MISSING)
+    principal = resolve_many(session, [token]).get(token)
+    if principal is None:
+        raise Unauthorized(INVALID)
+    return principal
+
+
+def resolve_many(session: Session, tokens: Collection[str]) -> dict[str, Principal]:
+    """The principals of the valid tokens among ``tokens`` (one query for a batch)."""
+    hashes = {hash_token(token): token for token in tokens if token}
+    if not hashes:
+        return {}
+    rows = session.execute(
+        select(ApiToken.token_hash, User.id, User.org_id, User.project_id, User.is_admin)
+        .join(User, ApiToken.user_id == User.id)
+        .where(among(session, ApiToken.token_hash, sorted(hashes)), ApiToken.revoked_at.is_(None))
+    )
+    return {hashes[token_hash]: Principal(user_id, org_id, project_id, is_admin)
+            for token_hash, user_id, org_id, project_id, is_admin in rows}

@@ -58,6 +58,12 @@ def idempotent_reply(
                                                  fingerprint, action)
     if not replayed and wake_reconciler:
         platform.wake()
+    return outcome_response(request, status, payload, replayed)
+
+
+def outcome_response(request: Request, status: int, payload: dict[str, Any],
+                     replayed: bool) -> JSONResponse:
+    """An outcome (perhaps a stored refusal, perhaps replayed) as the answer."""
     headers = {"Idempotent-Replayed": "true"} if replayed else {}
     if status >= 400:
         extra = {k: v for k, v in payload.items() if k not in ("title", "detail")}

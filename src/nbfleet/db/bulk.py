@@ -8,11 +8,12 @@ session's own connection, so it is part of the caller's transaction.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from sqlalchemy import Table, bindparam, insert, text
+from sqlalchemy import Connection, Dialect, Table, bindparam, insert, text
 from sqlalchemy.orm import Session
 from sqlalchemy.types import JSON
 
@@ -56,14 +57,56 @@ def update_rows(session: Session, table: Table, keys: Sequence[str],
             {(f"k_{name}" if name in keys else f"v_{name}"): row[name] for name in columns}
             for row in rows])
         return
-    dialect = connection.dialect
-    arrays = ", ".join(
-        f"CAST(:a{i} AS {table.c[name].type.compile(dialect=dialect)}[])"
-        for i, name in enumerate(columns))
-    names = ", ".join(f'"{name}"' for name in columns)
+    source, params = unnest(connection, table, rows)
     sets = ", ".join(f'"{name}" = v."{name}"' for name in values)
     match = " AND ".join(f't."{name}" = v."{name}"' for name in keys)
-    sql = (f'UPDATE "{table.name}" AS t SET {sets} FROM unnest({arrays}) AS v({names}) '
-           f"WHERE {match}")
-    connection.execute(text(sql), {f"a{i}": [row[name] for row in rows]
-                                   for i, name in enumerate(columns)})
+    connection.execute(text(f'UPDATE "{table.name}" AS t SET {sets} FROM {source} '
+                            f"WHERE {match}"), params)
+
+
+def insert_rows(session: Session, table: Table, rows: Sequence[Mapping[str, Any]],
+                skip_conflicts_on: Sequence[str], returning: Sequence[str]
+                ) -> list[tuple[Any, ...]]:
+    """Insert ``rows`` (every row the same keys), skipping those that clash on the
+    unique ``skip_conflicts_on``; return the ``returning`` columns of those inserted.
+
+    On PostgreSQL one ``INSERT ... SELECT FROM unnest(arrays)``: its text is the
+    same whatever the number of rows, so the driver parses it once, where a
+    multi-row VALUES list (thousands of placeholders) is parsed again on every
+    call. Elsewhere one multi-row INSERT.
+    """
+    if not rows:
+        return []
+    connection = session.connection()
+    if connection.dialect.name != "postgresql":
+        from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+        statement = sqlite_insert(table).on_conflict_do_nothing(
+            index_elements=list(skip_conflicts_on))
+        return [tuple(row) for row in connection.execute(
+            statement.returning(*[table.c[name] for name in returning]), list(rows))]
+    source, params = unnest(connection, table, rows)
+    names = ", ".join(f'"{name}"' for name in rows[0])
+    conflict = ", ".join(f'"{name}"' for name in skip_conflicts_on)
+    back = ", ".join(f'"{name}"' for name in returning)
+    return [tuple(row) for row in connection.execute(text(
+        f'INSERT INTO "{table.name}" ({names}) SELECT {names} FROM {source} '
+        f"ON CONFLICT ({conflict}) DO NOTHING RETURNING {back}"), params)]
+
+
+def unnest(connection: Connection, table: Table, rows: Sequence[Mapping[str, Any]]
+           ) -> tuple[str, dict[str, list[Any]]]:
+    """PostgreSQL: ``unnest(arrays) AS v(columns)`` of the rows (every row the same
+    keys), one typed array per column, with its parameters. Rows come out in the
+    order given, which keeps the lock order of the statements that use it."""
+    columns = tuple(rows[0])
+    return (_unnest_sql(table, columns, connection.dialect),
+            {f"a{i}": [row[name] for row in rows] for i, name in enumerate(columns)})
+
+
+@functools.lru_cache(maxsize=256)
+def _unnest_sql(table: Table, columns: tuple[str, ...], dialect: Dialect) -> str:
+    arrays = ", ".join(f"CAST(:a{i} AS {table.c[name].type.compile(dialect=dialect)}[])"
+                       for i, name in enumerate(columns))
+    names = ", ".join(f'"{name}"' for name in columns)
+    return f"unnest({arrays}) AS v({names})"

@@ -12,6 +12,7 @@ the stable version. Jobs pinned to a version keep it, rolled back or not.
 from __future__ import annotations
 
 import re
+from collections.abc import Collection, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -20,6 +21,7 @@ from sqlalchemy.orm import Session
 
 from nbfleet.db.ids import new_id
 from nbfleet.db.job_tables import BinaryVersion, Job
+from nbfleet.db.queries import among
 from nbfleet.model.errors import Conflict, InvalidInput, NotFound
 from nbfleet.model.jobs import Blame, CanaryRule, JobState, routes_to_canary, should_roll_back
 from nbfleet.web.render import iso
@@ -104,12 +106,28 @@ def get(session: Session, name: str, version: str, for_update: bool = False) -> 
 def resolve(session: Session, name: str, version: str | None,
             job_id: str) -> BinaryVersion:
     """The version a new job runs: the pinned one, or stable/canary by routing."""
+    return choose(versions(session, name), name, version, job_id)
+
+
+def versions_of(session: Session, names: Collection[str]) -> dict[str, list[BinaryVersion]]:
+    """Every version of each name, in registration order (one query for a batch)."""
+    found: dict[str, list[BinaryVersion]] = {name: [] for name in names}
+    query = select(BinaryVersion).where(among(session, BinaryVersion.name, sorted(names)))
+    for row in session.execute(query.order_by(BinaryVersion.name, BinaryVersion.id)).scalars():
+        found[row.name].append(row)
+    return found
+
+
+def choose(rows: Sequence[BinaryVersion], name: str, version: str | None,
+           job_id: str) -> BinaryVersion:
+    """Among a name's versions, the one a new job runs (raises if there is none)."""
     if version is not None:
-        row = get(session, name, version)
+        row = next((r for r in rows if r.version == version), None)
+        if row is None:
+            raise NotFound(f"no binary {name} version {version}")
         if row.state == RETIRED:
             raise InvalidInput(f"binary {name} {version} is retired", field="version")
         return row
-    rows = versions(session, name)
     if not rows:
         raise NotFound(f"no binary named {name}")
     stable = next((r for r in rows if r.state == STABLE), None)

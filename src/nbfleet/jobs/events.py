@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime
 
 from sqlalchemy.orm import Session
 
+from nbfleet.db.bulk import append_rows
 from nbfleet.db.job_tables import Job, JobEvent
 from nbfleet.model.jobs import JobState
 from nbfleet.web.metrics import JOB_TRANSITIONS
@@ -24,8 +26,10 @@ def transition(session: Session, job: Job, to: JobState, now: datetime,
     JOB_TRANSITIONS.labels(before or "new", to).inc()
 
 
-def submitted(session: Session, job: Job, now: datetime) -> None:
-    """The first event of a job, which is created straight into ``queued``."""
-    session.add(JobEvent(job_id=job.id, attempt=0, from_state=None, to_state=job.state,
-                         reason="submitted", created_at=now))
-    JOB_TRANSITIONS.labels("new", job.state).inc()
+def submitted(session: Session, jobs: Sequence[Job], now: datetime) -> None:
+    """The first event of each job, created straight into ``queued`` (one INSERT)."""
+    append_rows(session, JobEvent.__table__, [  # type: ignore[arg-type]
+        {"job_id": job.id, "attempt": 0, "from_state": None, "to_state": job.state,
+         "reason": "submitted", "created_at": now} for job in jobs])
+    for job in jobs:
+        JOB_TRANSITIONS.labels("new", job.state).inc()

@@ -38,6 +38,11 @@ class AuditRow:
 
 def record(session: Session, actor: Actor, now: datetime, rows: list[AuditRow]) -> None:
     """Append the rows in one statement (the metering path writes many at once)."""
+    record_each(session, now, [(actor, row) for row in rows])
+
+
+def record_each(session: Session, now: datetime, rows: list[tuple[Actor, AuditRow]]) -> None:
+    """Append rows of several actors in one statement (a batch of admissions)."""
     if not rows:
         return
     append_rows(session, CreditAudit.__table__, [  # type: ignore[arg-type]
@@ -46,5 +51,5 @@ def record(session: Session, actor: Actor, now: datetime, rows: list[AuditRow]) 
          "idempotency_key": actor.idempotency_key, "action": row.action,
          "subject_id": row.subject_id, "before": row.before, "after": row.after,
          "created_at": now}
-        for row in rows
+        for actor, row in rows
     ])

@@ -9,15 +9,19 @@ touches them, and a budget check is one indexed read per level.
 
 from __future__ import annotations
 
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import TextClause, bindparam, select, text, update
+from sqlalchemy import bindparam, select, text, update
 from sqlalchemy.orm import Session
 
+from nbfleet.db.bulk import unnest
 from nbfleet.db.credit_tables import Budget, SpendCounter
 from nbfleet.db.ids import new_id
+from nbfleet.db.queries import among
 from nbfleet.db.tables import Org, Project, User
 from nbfleet.ledger import audit
 from nbfleet.model.credits import (
@@ -55,56 +59,134 @@ def _counter_keys(scopes: Scopes, periods: tuple[str, str]) -> list[tuple[str, s
     return sorted({(key, period) for key in scopes.keys().values() for period in periods})
 
 
-def _upsert_sql(rows: int) -> TextClause:
-    """One upsert of ``rows`` counters, RETURNING the new values. The same SQL on
-    PostgreSQL and SQLite; plain text, so no statement is compiled per call."""
-    values = ", ".join(f"(:s{i}, :p{i}, :amount)" for i in range(rows))
-    return text(
-        f"INSERT INTO credit_spend (scope, period, amount) VALUES {values} "
+def _add_to_counters(session: Session, amounts: Mapping[tuple[str, str], int]
+                     ) -> dict[tuple[str, str], int]:
+    """Add to the counters (creating missing ones) in key order, the lock order, in
+    one upsert; return their new values."""
+    keys = sorted(amounts)
+    if not keys:
+        return {}
+    rows = [{"scope": scope, "period": period, "amount": amounts[scope, period]}
+            for scope, period in keys]
+    connection = session.connection()
+    params: dict[str, Any]
+    if connection.dialect.name == "postgresql":
+        source, params = unnest(connection, SpendCounter.__table__,  # type: ignore[arg-type]
+                                rows)
+        values = f"SELECT scope, period, amount FROM {source}"
+    else:
+        values = "VALUES " + ", ".join(f"(:s{i}, :p{i}, :a{i})" for i in range(len(keys)))
+        params = {f"{letter}{i}": row[column] for i, row in enumerate(rows)
+                  for letter, column in (("s", "scope"), ("p", "period"), ("a", "amount"))}
+    result = connection.execute(text(
+        f"INSERT INTO credit_spend (scope, period, amount) {values} "
         "ON CONFLICT (scope, period) DO UPDATE SET amount = credit_spend.amount + "
-        "excluded.amount RETURNING scope, period, amount")
+        "excluded.amount RETURNING scope, period, amount"), params)
+    return {(scope, period): value for scope, period, value in result}
+
+
+@dataclass(frozen=True, slots=True)
+class Charge:
+    """An amount a hold commits against its levels' budgets."""
+
+    scopes: Scopes
+    periods: tuple[str, str]
+    amount: int
+    actor: audit.Actor
+    subject_id: str
 
 
 def commit(session: Session, scopes: Scopes, periods: tuple[str, str], amount: int,
            actor: audit.Actor, now: datetime, subject_id: str) -> None:
-    """Count ``amount`` against every level's budgets, or refuse it with the reason.
+    """Count ``amount`` against every level's budgets, or refuse it with the reason
+    (``PaymentRequired``; nothing is counted then)."""
+    charge = Charge(scopes, periods, amount, actor, subject_id)
+    book = BudgetBook.open(session, [charge])
+    refusal = book.charge(charge)
+    book.close(session, now)
+    if refusal is not None:
+        raise refusal
 
-    The counters are upserted in key order (the lock order); a refusal raises,
-    and the caller's transaction rolls the increments back.
+
+class BudgetBook:
+    """The budgets and spend counters of a batch of charges, judged one by one.
+
+    ``open`` reads the budgets of every scope involved and, if there are any,
+    locks (upserts) the counters in key order, the lock order. ``charge`` judges
+    one charge against what the counters hold plus the charges accepted before it,
+    in memory; ``close`` adds the accepted sums in one upsert and records alerts.
+    With no budget on any scope, nothing is locked or read before ``close``.
     """
-    keys = scopes.keys()
-    rows = _counter_keys(scopes, periods)
-    params: dict[str, object] = {"amount": amount}
-    for i, (key, period) in enumerate(rows):
-        params[f"s{i}"], params[f"p{i}"] = key, period
-    after = {(scope, period): value for scope, period, value
-             in session.execute(_upsert_sql(len(rows)), params)}
-    budgets = session.execute(
-        select(Budget).where(Budget.scope.in_(list(keys.values())))
-    ).scalars().all()
-    verdicts: list[Verdict] = []
-    for budget in budgets:
-        period = periods[0] if budget.period == Period.DAY else periods[1]
-        committed_before = after[(budget.scope, period)] - amount
-        verdicts.append(judge(rule_of(budget), committed_before, amount))
-    refused = [verdict for verdict in verdicts if verdict.refused]
-    if refused:
-        first = min(refused, key=lambda v: list(Level).index(v.rule.level))
-        raise PaymentRequired(
-            first.reason, reason=("spend_cap_reached" if first.rule.enforcement == Enforcement.CAP
-                                  else "budget_exceeded"),
-            budget_id=first.rule.id, level=str(first.rule.level), limit=first.rule.limit,
-            committed=first.committed_before)
-    alerts = [verdict for verdict in verdicts if verdict.alert]
-    for verdict in alerts:
-        CREDIT_BUDGET_ALERTS.labels(str(verdict.rule.level)).inc()
-    audit.record(session, actor, now, [
-        audit.AuditRow("budget_alert", verdict.rule.id, scopes.org_id, scopes.project_id, None,
-                       {"committed": verdict.committed_before},
-                       {"committed": verdict.committed_before + amount,
-                        "limit": verdict.rule.limit, "level": str(verdict.rule.level),
-                        "period": str(verdict.rule.period), "work": subject_id})
-        for verdict in alerts])
+
+    def __init__(self, rules: dict[str, list[BudgetRule]],
+                 current: dict[tuple[str, str], int]) -> None:
+        self._rules = dict(rules)
+        self._current = current
+        self._added: dict[tuple[str, str], int] = defaultdict(int)
+        self._alerts: list[tuple[audit.Actor, audit.AuditRow]] = []
+
+    @classmethod
+    def open(cls, session: Session, charges: Sequence[Charge]) -> BudgetBook:
+        scopes = sorted({key for charge in charges for key in charge.scopes.keys().values()})
+        rules: dict[str, list[BudgetRule]] = defaultdict(list)
+        query = select(Budget).where(among(session, Budget.scope, scopes))
+        for budget in session.execute(query).scalars():
+            rules[budget.scope].append(rule_of(budget))
+        current: dict[tuple[str, str], int] = {}
+        if rules:
+            current = _add_to_counters(session, dict.fromkeys(
+                {key for charge in charges
+                 for key in _counter_keys(charge.scopes, charge.periods)}, 0))
+        return cls(rules, current)
+
+    def charge(self, charge: Charge) -> PaymentRequired | None:
+        """Count ``charge``, or return why a budget refuses it (then it counts nothing)."""
+        verdicts = [judge(rule, self._current[scope, _period_of(rule, charge.periods)],
+                          charge.amount)
+                    for scope in charge.scopes.keys().values()
+                    for rule in self._rules.get(scope, ())]
+        refusal = _refusal([verdict for verdict in verdicts if verdict.refused])
+        if refusal is not None:
+            return refusal
+        for key in _counter_keys(charge.scopes, charge.periods):
+            if self._rules:
+                self._current[key] += charge.amount
+            self._added[key] += charge.amount
+        for verdict in verdicts:
+            if verdict.alert:
+                CREDIT_BUDGET_ALERTS.labels(str(verdict.rule.level)).inc()
+                self._alerts.append((charge.actor, _alert_row(charge, verdict)))
+        return None
+
+    def close(self, session: Session, now: datetime) -> None:
+        _add_to_counters(session, {key: amount for key, amount in self._added.items()
+                                   if amount})
+        audit.record_each(session, now, self._alerts)
+
+
+def _period_of(rule: BudgetRule, periods: tuple[str, str]) -> str:
+    return periods[0] if rule.period is Period.DAY else periods[1]
+
+
+def _refusal(refused: list[Verdict]) -> PaymentRequired | None:
+    """The refusal of the widest level among those that refuse."""
+    if not refused:
+        return None
+    first = min(refused, key=lambda v: list(Level).index(v.rule.level))
+    return PaymentRequired(
+        first.reason, reason=("spend_cap_reached" if first.rule.enforcement == Enforcement.CAP
+                              else "budget_exceeded"),
+        budget_id=first.rule.id, level=str(first.rule.level), limit=first.rule.limit,
+        committed=first.committed_before)
+
+
+def _alert_row(charge: Charge, verdict: Verdict) -> audit.AuditRow:
+    return audit.AuditRow(
+        "budget_alert", verdict.rule.id, charge.scopes.org_id, charge.scopes.project_id, None,
+        {"committed": verdict.committed_before},
+        {"committed": verdict.committed_before + charge.amount, "limit": verdict.rule.limit,
+         "level": str(verdict.rule.level), "period": str(verdict.rule.period),
+         "work": charge.subject_id})
 
 
 _GIVE_BACK = (

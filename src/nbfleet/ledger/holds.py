@@ -13,16 +13,16 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import and_, insert, or_, select
-from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy import and_, delete, insert, or_, select
 from sqlalchemy.orm import Session
 
+from nbfleet.db.bulk import append_rows, insert_rows
 from nbfleet.db.credit_tables import CreditBucket, CreditHold, CreditHoldPart, Wallet
 from nbfleet.db.ids import new_id
+from nbfleet.db.queries import among
 from nbfleet.ledger import audit, budgets
 from nbfleet.ledger.budgets import Scopes
-from nbfleet.ledger.journal import Account, Move, post
+from nbfleet.ledger.journal import Account, Move, post, post_many
 from nbfleet.model.credits import (
     MAX_AMOUNT,
     BucketKey,
@@ -31,7 +31,13 @@ from nbfleet.model.credits import (
     is_expired,
     spend_order_key,
 )
-from nbfleet.model.errors import Conflict, InvalidInput, NotFound, PaymentRequired
+from nbfleet.model.errors import (
+    Conflict,
+    DomainError,
+    InvalidInput,
+    NotFound,
+    PaymentRequired,
+)
 from nbfleet.web.render import iso
 
 ACTIVE = "active"
@@ -104,10 +110,51 @@ def reserve(session: Session, request: HoldRequest, actor: audit.Actor,
     The same work id again returns the existing hold, so a retried admission never
     holds twice; with a different price or tenant it is a conflict.
     """
-    _validate(request)
-    existing: CreditHold | None = None
+    outcome = reserve_many(session, [(request, actor)], now)[0]
+    if isinstance(outcome, DomainError):
+        raise outcome
+    return outcome
+
+
+Reserved = tuple[CreditHold, bool]
+
+
+def reserve_many(session: Session, requests: Sequence[tuple[HoldRequest, audit.Actor]],
+                 now: datetime) -> list[Reserved | DomainError]:
+    """``reserve`` for a batch, in a few statements whatever its size: each
+    request gets (hold, created) or the error that refuses it, exactly as if they
+    were reserved one after the other in this order; a refused one leaves nothing.
+    """
+    outcomes: list[Reserved | DomainError | None] = [None] * len(requests)
+    fresh: dict[int, CreditHold] = {}
+    work_ids: set[str] = set()
+    for index, (request, _actor) in enumerate(requests):
+        try:
+            _validate(request)
+            if request.work_id in work_ids:
+                raise Conflict(f"work {request.work_id!r} appears twice in one batch")
+        except DomainError as exc:
+            outcomes[index] = exc
+            continue
+        work_ids.add(request.work_id)
+        fresh[index] = _new_hold(request, now)
+    # First, before any other lock: a racing duplicate waits on the unique work_id
+    # here, holding no bucket or counter, and then finds this hold.
+    for index, outcome in _insert_or_find(session, fresh).items():
+        outcomes[index] = outcome
+        del fresh[index]
+    refused = _draw_in_order(session, fresh, [actor for _request, actor in requests], now,
+                             outcomes)
+    if refused:
+        session.execute(delete(CreditHold).where(CreditHold.id.in_(refused)))
+    for index, hold in fresh.items():
+        outcomes[index] = (hold, True)
+    return [outcome for outcome in outcomes if outcome is not None]
+
+
+def _new_hold(request: HoldRequest, now: datetime) -> CreditHold:
     day_key, month_key = budgets.periods_at(now)
-    hold = CreditHold(
+    return CreditHold(
         id=new_id("hold"), work_id=request.work_id, org_id=request.org_id,
         project_id=request.project_id, user_id=request.user_id, gpu_type=request.gpu_type,
         rate_per_gpu_hour=request.rate_per_gpu_hour, amount=request.amount,
@@ -115,55 +162,109 @@ def reserve(session: Session, request: HoldRequest, actor: audit.Actor,
         last_seq=0, state=ACTIVE, exhausted=False, lease_s=request.lease_s,
         lease_expires_at=now + timedelta(seconds=request.lease_s),
         day_key=day_key, month_key=month_key, created_at=now, updated_at=now)
-    # First, before any other lock: a racing duplicate waits on the unique
-    # work_id here, holding no bucket or counter, and then finds this hold.
-    dialect = session.get_bind().dialect.name
-    statement = (pg_insert if dialect == "postgresql" else sqlite_insert)(CreditHold)
-    inserted = session.execute(
-        statement.values({column.key: getattr(hold, column.key)
-                          for column in CreditHold.__table__.columns})
-        .on_conflict_do_nothing(index_elements=["work_id"])
-        .returning(CreditHold.id)).first()
-    if inserted is None:
-        existing = find_by_work(session, request.work_id)
-        if existing is None:
-            raise Conflict(f"work {request.work_id!r} is being admitted; retry")
-    if existing is not None:
-        if (existing.org_id, existing.project_id, existing.user_id, existing.gpu_type,
-                existing.rate_per_gpu_hour) != (request.org_id, request.project_id,
-                                                request.user_id, request.gpu_type,
-                                                request.rate_per_gpu_hour):
-            raise Conflict(f"work {request.work_id!r} already has a different hold",
-                           hold_id=existing.id)
-        return existing, False
-    taken = _take(_lock_buckets(session, scopes_of(hold), now), request.amount)
-    got = sum(part for _bucket, part in taken)
-    if got < request.amount:
-        raise PaymentRequired(
-            f"insufficient credits: {request.amount} micro-credits requested, {got} available",
-            reason="insufficient_credits", requested=request.amount, available=got)
-    budgets.commit(session, scopes_of(hold), (hold.day_key, hold.month_key), request.amount,
-                   actor, now, request.work_id)
-    _add_parts(session, hold, taken, [])
-    post(session, "reserve", [Move(bucket.id, bucket.wallet_id, Account.AVAILABLE, Account.HELD,
-                                   part) for bucket, part in taken], now, hold.id)
-    audit.record(session, actor, now, [audit.AuditRow(
-        "reserve", hold.id, hold.org_id, hold.project_id, _wallet_of(taken), None,
-        snapshot(hold))])
-    return hold, True
+
+
+_HOLD_COLUMNS = [column.key for column in CreditHold.__table__.columns]
+
+
+def _insert_or_find(session: Session, fresh: dict[int, CreditHold]
+                    ) -> dict[int, Reserved | DomainError]:
+    """Insert the new holds in one statement; for each whose work id already had a
+    hold, that hold (if it matches) or a conflict."""
+    if not fresh:
+        return {}
+    inserted = {work_id for (work_id,) in insert_rows(
+        session, CreditHold.__table__,  # type: ignore[arg-type]
+        [{key: getattr(hold, key) for key in _HOLD_COLUMNS} for hold in fresh.values()],
+        skip_conflicts_on=["work_id"], returning=["work_id"])}
+    clashes = {hold.work_id: index for index, hold in fresh.items()
+               if hold.work_id not in inserted}
+    if not clashes:
+        return {}
+    existing = {hold.work_id: hold for hold in session.execute(
+        select(CreditHold).where(CreditHold.work_id.in_(list(clashes)))).scalars()}
+    return {index: _same_or_conflict(fresh[index], existing.get(work_id))
+            for work_id, index in clashes.items()}
+
+
+def _same_or_conflict(wanted: CreditHold, existing: CreditHold | None
+                      ) -> Reserved | DomainError:
+    if existing is None:
+        return Conflict(f"work {wanted.work_id!r} is being admitted; retry")
+    if (existing.org_id, existing.project_id, existing.user_id, existing.gpu_type,
+            existing.rate_per_gpu_hour) != (wanted.org_id, wanted.project_id, wanted.user_id,
+                                            wanted.gpu_type, wanted.rate_per_gpu_hour):
+        return Conflict(f"work {wanted.work_id!r} already has a different hold",
+                        hold_id=existing.id)
+    return existing, False
+
+
+def _draw_in_order(session: Session, fresh: dict[int, CreditHold], actors: list[audit.Actor],
+                   now: datetime, outcomes: list[Reserved | DomainError | None]) -> list[str]:
+    """Fund the new holds one after the other from their tenants' buckets and
+    budgets: post what they take, and return the ids of those refused (their error
+    goes into ``outcomes`` and they leave ``fresh``). Locks the buckets of every
+    tenant involved in one statement, then the spend counters."""
+    if not fresh:
+        return []
+    charges = {index: budgets.Charge(scopes_of(hold), (hold.day_key, hold.month_key),
+                                     hold.amount, actors[index], hold.work_id)
+               for index, hold in fresh.items()}
+    locked = _lock_buckets(session, [charge.scopes for charge in charges.values()], now)
+    book = budgets.BudgetBook.open(session, list(charges.values()))
+    available = {bucket.id: bucket.available for bucket, _owner in locked}
+    refused: list[int] = []
+    funded: list[tuple[int, CreditHold, list[tuple[CreditBucket, int]]]] = []
+    for index, hold in fresh.items():
+        spendable = _spendable(locked, scopes_of(hold), now)
+        taken = draw([(bucket.id, available[bucket.id]) for bucket in spendable], hold.amount)
+        got = sum(part for _bucket_id, part in taken)
+        refusal: DomainError | None = None
+        if got < hold.amount:
+            refusal = PaymentRequired(
+                f"insufficient credits: {hold.amount} micro-credits requested, {got} "
+                "available", reason="insufficient_credits", requested=hold.amount,
+                available=got)
+        else:
+            refusal = book.charge(charges[index])
+        if refusal is not None:
+            outcomes[index] = refusal
+            refused.append(index)
+            continue
+        buckets = {bucket.id: bucket for bucket in spendable}
+        for bucket_id, part in taken:
+            available[bucket_id] -= part
+        funded.append((index, hold, [(buckets[bucket_id], part) for bucket_id, part in taken]))
+    book.close(session, now)
+    refused_ids = [fresh.pop(index).id for index in refused]
+    append_rows(session, CreditHoldPart.__table__,  # type: ignore[arg-type]
+                [row for _index, hold, taken in funded for row in _part_rows(hold.id, taken, [])])
+    post_many(session, "reserve", [
+        (hold.id, [Move(bucket.id, bucket.wallet_id, Account.AVAILABLE, Account.HELD, part)
+                   for bucket, part in taken]) for _index, hold, taken in funded], now)
+    audit.record_each(session, now, [
+        (actors[index], audit.AuditRow("reserve", hold.id, hold.org_id, hold.project_id,
+                                       _wallet_of(taken), None, snapshot(hold)))
+        for index, hold, taken in funded])
+    return refused_ids
 
 
 def _wallet_of(taken: Sequence[tuple[CreditBucket, int]]) -> str | None:
     return taken[0][0].wallet_id if taken else None
 
 
-def _lock_buckets(session: Session, scopes: Scopes, now: datetime,
-                  also: Sequence[str] = ()) -> list[tuple[CreditBucket, bool]]:
-    """Lock, in one statement and by id, the tenant's spendable buckets and the
-    buckets in ``also`` (a hold's own): [(bucket, spendable)] in spend order, the
-    project's own credits before the org's shared pool."""
-    owners = {f"project:{scopes.project_id}": 0, f"org:{scopes.org_id}": 1}
-    spendable = and_(Wallet.owner.in_(list(owners)), CreditBucket.available > 0,
+def _owners(scopes: Scopes) -> dict[str, int]:
+    """A tenant's wallets in spend order: the project's own credits before the
+    org's shared pool."""
+    return {f"project:{scopes.project_id}": 0, f"org:{scopes.org_id}": 1}
+
+
+def _lock_buckets(session: Session, tenants: Sequence[Scopes], now: datetime,
+                  also: Sequence[str] = ()) -> list[tuple[CreditBucket, str]]:
+    """Lock, in one statement and by id, the spendable buckets of the tenants and
+    the buckets in ``also`` (a hold's own): [(bucket, its wallet's owner)]."""
+    owners = sorted({owner for scopes in tenants for owner in _owners(scopes)})
+    spendable = and_(among(session, Wallet.owner, owners), CreditBucket.available > 0,
                      or_(CreditBucket.expires_at.is_(None), CreditBucket.expires_at > now))
     rows = session.execute(
         select(CreditBucket, Wallet.owner)
@@ -173,28 +274,36 @@ def _lock_buckets(session: Session, scopes: Scopes, now: datetime,
         .with_for_update(of=CreditBucket)
         .execution_options(populate_existing=True)
     ).all()
+    return [(row.CreditBucket, row.owner) for row in rows]
 
-    def order(row: Any) -> tuple[int, tuple[Any, ...]]:
-        bucket = row.CreditBucket
-        return owners.get(row.owner, 2), spend_order_key(BucketKey(
+
+def _spendable(locked: list[tuple[CreditBucket, str]], scopes: Scopes,
+               now: datetime) -> list[CreditBucket]:
+    """The tenant's spendable buckets among those locked, in spend order."""
+    owners = _owners(scopes)
+
+    def order(entry: tuple[CreditBucket, str]) -> tuple[int, tuple[Any, ...]]:
+        bucket, owner = entry
+        return owners[owner], spend_order_key(BucketKey(
             bucket.id, bucket.priority, bucket.expires_at, GrantKind(bucket.kind),
             bucket.created_at))
 
-    return [(row.CreditBucket, row.owner in owners and row.CreditBucket.available > 0
-             and not is_expired(row.CreditBucket.expires_at, now))
-            for row in sorted(rows, key=order)]
+    return [bucket for bucket, owner in sorted(
+        ((bucket, owner) for bucket, owner in locked if owner in owners), key=order)
+        if bucket.available > 0 and not is_expired(bucket.expires_at, now)]
 
 
-def _take(locked: list[tuple[CreditBucket, bool]], amount: int) -> list[tuple[CreditBucket, int]]:
-    """Draw ``amount`` from the spendable ones among locked buckets, in their order."""
-    buckets = {bucket.id: bucket for bucket, spendable in locked if spendable}
-    taken = draw([(bucket.id, bucket.available) for bucket in buckets.values()], amount)
+def _take(spendable: list[CreditBucket], amount: int) -> list[tuple[CreditBucket, int]]:
+    """Draw ``amount`` from the buckets, in their order."""
+    buckets = {bucket.id: bucket for bucket in spendable}
+    taken = draw([(bucket.id, bucket.available) for bucket in spendable], amount)
     return [(buckets[bucket_id], part) for bucket_id, part in taken]
 
 
-def _add_parts(session: Session, hold: CreditHold, taken: list[tuple[CreditBucket, int]],
-               parts: list[CreditHoldPart]) -> None:
-    """Record where the held credits came from (merging with parts the hold has)."""
+def _part_rows(hold_id: str, taken: list[tuple[CreditBucket, int]],
+               parts: list[CreditHoldPart]) -> list[dict[str, Any]]:
+    """The new part rows recording where held credits came from; parts the hold
+    already has for a bucket grow in place instead."""
     existing = {part.bucket_id: part for part in parts}
     fresh = []
     ordinal = max((part.ordinal for part in parts), default=-1)
@@ -204,10 +313,9 @@ def _add_parts(session: Session, hold: CreditHold, taken: list[tuple[CreditBucke
             existing[bucket.id].held += amount
             continue
         ordinal += 1
-        fresh.append({"hold_id": hold.id, "bucket_id": bucket.id, "ordinal": ordinal,
+        fresh.append({"hold_id": hold_id, "bucket_id": bucket.id, "ordinal": ordinal,
                       "amount": amount, "held": amount, "captured": 0})
-    if fresh:
-        session.execute(insert(CreditHoldPart), fresh)
+    return fresh
 
 
 def lock(session: Session, hold_ids: Sequence[str]) -> dict[str, CreditHold]:
@@ -239,8 +347,10 @@ def extend(session: Session, hold: CreditHold, parts: list[CreditHoldPart], need
     Locks the hold's own buckets together with the spendable ones, so the capture
     that follows takes no bucket lock out of order.
     """
-    locked = _lock_buckets(session, scopes_of(hold), now, [part.bucket_id for part in parts])
-    taken = _take(locked, need)
+    scopes = scopes_of(hold)
+    taken = _take(_spendable(_lock_buckets(session, [scopes], now,
+                                           [part.bucket_id for part in parts]), scopes, now),
+                  need)
     got = sum(part for _bucket, part in taken)
     if not got:
         return 0
@@ -250,7 +360,9 @@ def extend(session: Session, hold: CreditHold, parts: list[CreditHoldPart], need
                            actor, now, hold.work_id)
     except PaymentRequired:
         return 0
-    _add_parts(session, hold, taken, parts)
+    fresh = _part_rows(hold.id, taken, parts)
+    if fresh:
+        session.execute(insert(CreditHoldPart), fresh)
     post(session, "extend", [Move(bucket.id, bucket.wallet_id, Account.AVAILABLE,
                                   Account.HELD, part) for bucket, part in taken], now, hold.id)
     hold.amount += got

@@ -29,6 +29,10 @@ JOB_ATTEMPTS = Counter(
 JOB_DISPATCH = Counter(
     "nbfleet_job_dispatch_total", "Dispatcher decisions", ["decision"]
 )
+JOB_INTAKE_BATCH = Histogram(
+    "nbfleet_job_intake_batch_size", "Job submissions admitted per transaction",
+    buckets=(1, 2, 4, 8, 16, 32, 64),
+)
 CREDIT_DECISIONS = Counter(
     "nbfleet_credit_decisions_total", "Credit ledger decisions", ["action", "outcome"]
 )

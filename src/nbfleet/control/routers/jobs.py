@@ -15,13 +15,13 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from nbfleet.control.auth import Principal
-from nbfleet.control.deps import current_principal, idempotent_reply, platform_of
-from nbfleet.control.platform import Platform
+from nbfleet.control.deps import current_principal, outcome_response, platform_of, token_of
+from nbfleet.control.idempotency import check_key, request_fingerprint
+from nbfleet.control.job_intake import JobIntake, Submission
 from nbfleet.db.job_tables import Job, JobAttempt, JobEvent
-from nbfleet.db.tables import Agent, Project
+from nbfleet.db.tables import Agent
 from nbfleet.jobs import admission, attempts, results
 from nbfleet.jobs.views import job_view
-from nbfleet.ledger import audit
 from nbfleet.model.errors import Conflict, DomainError, NotFound
 from nbfleet.model.jobs import TERMINAL, JobState
 from nbfleet.web.render import iso
@@ -65,55 +65,28 @@ def _visible(session: Session, principal: Principal, job_id: str,
     return job
 
 
-def _check_project(session: Session, principal: Principal, name: str | None) -> None:
-    if name is None:
-        return
-    project = session.get(Project, principal.project_id)
-    if project is None or project.name != name:
-        raise NotFound(f"no project {name!r}")
-
-
 @router.post("", status_code=202, summary="Submit a GPU job (queued at once)")
-def submit_job(body: SubmitJob, request: Request,
-               principal: Principal = Depends(current_principal)) -> JSONResponse:
-    platform = platform_of(request)
-    shapes = _shapes(platform)
-    job_request = admission.JobRequest(
-        binary=body.binary, version=body.version, args=body.args, gpus=body.gpus,
-        gpu_types=tuple(body.gpu_types), vram_gb=body.vram_gb, memory_mb=body.memory_mb,
-        timeout_s=body.timeout_s, idle_timeout_s=body.idle_timeout_s,
-        max_attempts=body.max_attempts, tier=body.tier, preemptible=body.preemptible,
-        name=body.name)
-    actor = audit.Actor(f"user:{principal.user_id}", request.headers.get("x-request-id"),
-                        request.headers.get("idempotency-key"))
-
-    def action(session: Session) -> tuple[int, dict[str, Any]]:
-        _check_project(session, principal, body.project)
-        tenant = admission.Tenant(principal.org_id, principal.project_id, principal.user_id)
-        job = admission.submit(session, tenant, job_request, platform.jobs, shapes, actor,
-                               platform.db.now(session))
-        return 202, job_view(job)
-
-    response = idempotent_reply(request, principal, body.model_dump(), action,
-                                wake_reconciler=False)
-    if response.status_code == 202:
-        platform.wake_jobs()
-    return response
-
-
-_SHAPES: dict[int, tuple[float, list[admission.Shape]]] = {}
-SHAPES_TTL_S = 5.0
-
-
-def _shapes(platform: Platform) -> list[admission.Shape]:
-    """The fleet's host shapes, read at most every few seconds per process."""
-    cached = _SHAPES.get(id(platform))
-    if cached is not None and time.monotonic() - cached[0] < SHAPES_TTL_S:
-        return cached[1]
-    with platform.db.transaction(write=False) as session:
-        shapes = admission.fleet_shapes(session)
-    _SHAPES[id(platform)] = (time.monotonic(), shapes)
-    return shapes
+async def submit_job(body: SubmitJob, request: Request) -> JSONResponse:
+    """Admitted in a batch with whatever else is being submitted (``job_intake``)."""
+    key = request.headers.get("idempotency-key")
+    check_key(key)
+    submission = Submission(
+        token=token_of(request.headers, request.query_params), idempotency_key=key,
+        fingerprint=request_fingerprint(request.method, request.url.path, body.model_dump()),
+        project=body.project, request_id=request.headers.get("x-request-id"),
+        request=admission.JobRequest(
+            binary=body.binary, version=body.version, args=body.args, gpus=body.gpus,
+            gpu_types=tuple(body.gpu_types), vram_gb=body.vram_gb, memory_mb=body.memory_mb,
+            timeout_s=body.timeout_s, idle_timeout_s=body.idle_timeout_s,
+            max_attempts=body.max_attempts, tier=body.tier, preemptible=body.preemptible,
+            name=body.name))
+    intake: JobIntake = request.app.state.job_intake
+    reply = await intake.submit(submission)
+    if reply.error is not None:
+        raise reply.error
+    assert reply.outcome is not None
+    status, payload = reply.outcome
+    return outcome_response(request, status, payload, reply.replayed)
 
 
 @router.get("", summary="List jobs, newest first")
