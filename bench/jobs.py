@@ -5,8 +5,9 @@ Three parts (``--parts``), each on its own throwaway database: PostgreSQL by def
 printed as ``<db>_<figure>``.
 
 * ``submit``: ``POST /v1/jobs`` (each with a fresh ``Idempotency-Key``) through the
-  HTTP API of a real ``nbfleet control`` (``--rate-limit 0``) from ``--clients``
-  concurrent asyncio workers (an httpx client with one connection each),
+  HTTP API of a real ``nbfleet control`` (``--rate-limit 0``, ``--workers``
+  processes) from ``--clients`` concurrent keep-alive connections of the lean
+  load generator (``loadgen.py``; httpx would spend more CPU than the server),
   ``--submissions`` per measurement, spread over ``--tenants`` tenants (each its
   own org and wallet). Hosts are registered (fake agent rows, so admission accepts
   the jobs) but none is alive, so the jobs only queue; the dispatcher still wakes
@@ -15,12 +16,13 @@ printed as ``<db>_<figure>``.
   one-row read) with the same concurrency: ``submit_per_s``, ``healthz_per_s``,
   ``authed_get_per_s``, the ratios ``submit_vs_healthz`` and
   ``submit_vs_authed_get``, and for each the CPU the server process and the
-  clients spent per request (``*_server_cpu_ms``, ``*_client_cpu_ms``). Then,
-  without HTTP, in-process on the same database from 1 and ``--clients`` threads
-  for ``--seconds`` each: ``admit_per_s_t<N>`` (``admission.submit`` in its own
-  transaction, nothing else) and ``request_db_per_s_t<N>`` (all the DB work of the
-  route: the token lookup, the idempotency claim, admission and the stored reply),
-  with their CPU per call (``*_cpu_ms_t<N>``).
+  clients spent per request (``*_server_cpu_ms``, ``*_client_cpu_ms``; the
+  server's is its workers' too). Then, without HTTP, in-process on the same
+  database and one thread, for ``--seconds`` each: ``admit_t1_per_s``
+  (``admission.submit`` in a transaction per job: the unbatched baseline) and
+  ``intake_b<N>_per_s`` for N = 1, 8, 32 (``JobIntake.admit`` of a batch of N:
+  all the route's DB work, the tokens, the Idempotency-Keys, admission and the
+  stored replies, in one transaction), with their CPU per job (``*_cpu_ms``).
 * ``dispatch``: ``--hosts`` fake hosts with fresh heartbeats (``--gpus-per-host``
   GPUs of four types, every tenth host with two) and ``--queued`` jobs across
   ``--dispatch-tenants`` tenants (1/2/4/8 GPUs, mixed type preferences, a fifth of
@@ -81,15 +83,16 @@ from sqlalchemy.orm import Session
 
 import loadgen
 from harness import emit, free_port, healthy, stderr, throwaway_db, wait_for
-from nbfleet.control import auth, leases, tenancy
-from nbfleet.control.idempotency import request_fingerprint, run_idempotent
+from nbfleet.control import leases, tenancy
+from nbfleet.control.idempotency import request_fingerprint
 from nbfleet.control.job_dispatcher import LEASE, MAX_HEADS
+from nbfleet.control.job_intake import JobIntake, Submission
+from nbfleet.control.platform import ControlConfig, Platform
 from nbfleet.db.engine import Database
 from nbfleet.db.job_tables import Job, JobAttempt
 from nbfleet.db.tables import Agent, Project, User
 from nbfleet.jobs import admission, attempts, binaries, dispatch
 from nbfleet.jobs.settings import JobSettings
-from nbfleet.jobs.views import job_view
 from nbfleet.ledger import audit, grants
 from nbfleet.ledger.wallets import owner_by_ids
 from nbfleet.model.credits import GrantKind
@@ -279,13 +282,19 @@ def run_threads(threads: int, step: Callable[[int], None], seconds: float
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU of process ``pid`` so far (Linux; 0 elsewhere)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            fields = stat.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU so far of process ``pid`` and its live children (the
+    control plane's workers) (Linux; 0 elsewhere)."""
+    total = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(entry.name) == pid or int(fields[1]) == pid:
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def quantile(values: Sequence[float], q: float) -> float:
@@ -370,8 +379,10 @@ async def measure_http(url: str, server_pid: int, tenants: list[Tenant],
 
 def measure_in_process(db: Database, tenants: list[Tenant], args: argparse.Namespace
                        ) -> dict[str, float]:
-    """What the route does in the DB, without HTTP: admission alone, and the whole
-    request's DB work (token lookup, idempotency claim, admission, stored reply)."""
+    """The route's DB work without HTTP, on one thread: ``admission.submit`` with a
+    transaction per job (the unbatched baseline), and ``JobIntake.admit`` of
+    batches of 1, 8 and 32 (token, Idempotency-Key, admission and stored reply of
+    every submission of the batch, in one transaction)."""
     with db.transaction(write=False) as session:
         shapes = admission.fleet_shapes(session)
     seeds = itertools.count(10**9)
@@ -386,29 +397,39 @@ def measure_in_process(db: Database, tenants: list[Tenant], args: argparse.Names
             admission.submit(session, tenant.admission, request(next(seeds)), SETTINGS,
                              shapes, ACTOR, db.now(session))
 
-    def whole_request(index: int) -> None:
-        tenant = tenants[index % len(tenants)]
-        with db.transaction(write=False) as session:
-            principal = auth.resolve(session, tenant.token)
-        seed = next(seeds)
-        job, body = request(seed), job_body(seed)
-        actor = audit.Actor(f"user:{principal.user_id}", None, str(uuid.uuid4()))
+    platform = Platform(ControlConfig(db_url=db.url, blobs_url=str(Path(tempfile.mkdtemp())),
+                                      secret="bench", gpu_prices=PRICES))
+    intake = JobIntake(platform)
 
-        def action(session: Session) -> tuple[int, dict[str, Any]]:
-            created = admission.submit(session, tenant.admission, job, SETTINGS, shapes,
-                                       actor, db.now(session))
-            return 202, job_view(created)
-
-        run_idempotent(db, principal.user_id, actor.idempotency_key,
-                       request_fingerprint("POST", "/v1/jobs", body), action)
+    def batch_of(size: int) -> Callable[[int], None]:
+        def step(_index: int) -> None:
+            batch = []
+            for n in range(size):
+                tenant, seed = tenants[n % len(tenants)], next(seeds)
+                body = job_body(seed)
+                item = Submission(tenant.token, str(uuid.uuid4()),
+                                  request_fingerprint("POST", "/v1/jobs", body), None,
+                                  request(seed))
+                item.answer.set_running_or_notify_cancel()
+                batch.append(item)
+            intake.admit(batch)
+            reply = batch[-1].answer.result()
+            if reply.outcome is None or reply.outcome[0] != 202:
+                raise RuntimeError(f"intake: {reply}")
+        return step
 
     result: dict[str, float] = {}
-    for threads in sorted({1, args.clients}):
-        for name, step in (("admit", admit), ("request_db", whole_request)):
-            stderr.print(f"  submit: in-process {name} t{threads}", highlight=False)
-            runs = [run_threads(threads, step, args.seconds) for _ in range(args.repeats)]
-            result[f"{name}_per_s_t{threads}"] = statistics.median(r for r, _ in runs)
-            result[f"{name}_cpu_ms_t{threads}"] = statistics.median(c for _, c in runs)
+    steps: list[tuple[str, Callable[[int], None], int]] = [("admit_t1", admit, 1)] + [
+        (f"intake_b{size}", batch_of(size), size) for size in (1, 8, 32)]
+    try:
+        for name, step, per_call in steps:
+            stderr.print(f"  submit: in-process {name}", highlight=False)
+            runs = [run_threads(1, step, args.seconds) for _ in range(args.repeats)]
+            result[f"{name}_per_s"] = statistics.median(r for r, _ in runs) * per_call
+            result[f"{name}_cpu_ms"] = statistics.median(c for _, c in runs) / per_call
+    finally:
+        platform.db.dispose()
+    result["intake_b32_vs_admit_t1"] = result["intake_b32_per_s"] / result["admit_t1_per_s"]
     return result
 
 
@@ -418,21 +439,24 @@ def run_submit(kind: str, args: argparse.Namespace, tmp: Path) -> dict[str, floa
         add_hosts(db, 8, 8, alive=False)
         register_binary(db, ["/bin/true"])
         tenants = new_tenants(db, args.tenants)
-        with control_plane(db.url, tmp / "submit-home") as (url, pid):
+        workers = args.workers if kind == "postgres" else 1
+        with control_plane(db.url, tmp / "submit-home", "--workers", str(workers)) as (
+                url, pid):
             result = asyncio.run(measure_http(url, pid, tenants, args))
+        result["workers"] = workers
         result["queued_after_submit"] = queued_count(db)
         result |= measure_in_process(db, tenants, args)
     r = result
     verdict = "met" if r["submit_per_s"] >= TARGET_SUBMIT_PER_S else "NOT met"
     stderr.print(
-        f"{BENCH}: {kind} c{args.clients} over {args.tenants} tenants: submit "
+        f"{BENCH}: {kind} c{args.clients} over {args.tenants} tenants, {workers} worker(s): submit "
         f"{r['submit_per_s']:.0f}/s (server CPU {r['submit_server_cpu_ms']:.2f} ms each) = "
         f"x{r['submit_vs_healthz']:.2f} of GET /healthz {r['healthz_per_s']:.0f}/s "
         f"({r['healthz_server_cpu_ms']:.2f} ms), x{r['submit_vs_authed_get']:.2f} of "
         f"GET /v1/binaries {r['authed_get_per_s']:.0f}/s ({r['authed_get_server_cpu_ms']:.2f} "
-        f"ms) | in-process, 1 thread: admission {r['admit_per_s_t1']:.0f}/s "
-        f"({r['admit_cpu_ms_t1']:.2f} ms CPU), the route's DB work {r['request_db_per_s_t1']:.0f}"
-        f"/s ({r['request_db_cpu_ms_t1']:.2f} ms CPU) | target >= {TARGET_SUBMIT_PER_S:.0f}"
+        f"ms) | in-process, 1 thread: a transaction per job {r['admit_t1_per_s']:.0f}/s "
+        f"({r['admit_t1_cpu_ms']:.2f} ms CPU each), batches of 32 {r['intake_b32_per_s']:.0f}"
+        f"/s ({r['intake_b32_cpu_ms']:.2f} ms) | target >= {TARGET_SUBMIT_PER_S:.0f}"
         f"/s: {verdict}", highlight=False)
     return result
 
@@ -767,6 +791,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     submit = parser.add_argument_group("submit")
     submit.add_argument("--clients", type=int, default=32,
                         help="concurrent HTTP clients (default: %(default)s)")
+    submit.add_argument("--workers", type=int, default=1,
+                        help="control-plane processes (nbfleet control --workers; on "
+                             "SQLite always 1) (default: %(default)s)")
     submit.add_argument("--submissions", type=int, default=2000,
                         help="requests per measurement (default: %(default)s)")
     submit.add_argument("--tenants", type=int, default=32,

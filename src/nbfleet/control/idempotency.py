@@ -15,11 +15,11 @@ from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import bindparam, select, tuple_, update
+from sqlalchemy import select, tuple_
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from nbfleet.db.bulk import insert_rows
+from nbfleet.db.bulk import insert_rows, update_rows
 from nbfleet.db.engine import Database
 from nbfleet.db.tables import IdempotencyKey
 from nbfleet.model.errors import Conflict, DomainError, InvalidInput
@@ -153,18 +153,12 @@ def claim_many(session: Session, claims: Sequence[tuple[str, str, str]], now: da
     return outcomes
 
 
-_STORE = (update(IdempotencyKey)
-          .where(IdempotencyKey.owner_id == bindparam("k_owner"),
-                 IdempotencyKey.key == bindparam("k_key"))
-          .values(status_code=bindparam("v_status"), response=bindparam("v_response")))
-
-
 def record_many(session: Session, outcomes: Sequence[tuple[str, str, Outcome]]) -> None:
     """Store the outcomes of claimed keys (owner, key, outcome), in one statement."""
-    if outcomes:
-        session.connection().execute(_STORE, [
-            {"k_owner": owner, "k_key": key, "v_status": status, "v_response": response}
-            for owner, key, (status, response) in outcomes])
+    update_rows(session, IdempotencyKey.__table__,  # type: ignore[arg-type]
+                ["owner_id", "key"],
+                [{"owner_id": owner, "key": key, "status_code": status, "response": response}
+                 for owner, key, (status, response) in outcomes])
 
 
 def _record(session: Session, owner_id: str, key: str, outcome: Outcome) -> None:

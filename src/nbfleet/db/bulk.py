@@ -1,9 +1,13 @@
-"""Appending many rows at once: COPY on PostgreSQL, executemany elsewhere.
+"""Writing many rows at once, in statements whose text does not depend on their
+number.
 
-The ledger's metering path appends hundreds of journal and audit rows per
-transaction. COPY sends them in one round trip without one statement per row,
-which is several times faster than executemany on PostgreSQL; it runs on the
-session's own connection, so it is part of the caller's transaction.
+On PostgreSQL each column travels as one array parameter (``unnest``), so the
+driver and the server see the same statement for 3 rows or 300 and parse it
+once; a multi-row VALUES list is new text, parsed again, for every count. The
+ledger's metering path appends hundreds of journal and audit rows per
+transaction: those go by COPY, which streams them. Elsewhere (SQLite), plain
+executemany. Everything runs on the session's own connection, in the caller's
+transaction.
 """
 
 from __future__ import annotations
@@ -17,6 +21,10 @@ from sqlalchemy import Connection, Dialect, Table, bindparam, insert, text
 from sqlalchemy.orm import Session
 from sqlalchemy.types import JSON
 
+#: Above this many rows, ``append_rows`` uses COPY (a round trip more than an
+#: INSERT, but streamed); up to it, one INSERT from arrays.
+COPY_ABOVE = 200
+
 
 def append_rows(session: Session, table: Table, rows: Sequence[Mapping[str, Any]]) -> None:
     """Insert ``rows`` (every row the same keys) into ``table``."""
@@ -25,6 +33,12 @@ def append_rows(session: Session, table: Table, rows: Sequence[Mapping[str, Any]
     connection = session.connection()
     if connection.dialect.name != "postgresql":
         connection.execute(insert(table), list(rows))
+        return
+    if len(rows) <= COPY_ABOVE:
+        source, params = unnest(connection, table, rows)
+        names = ", ".join(f'"{name}"' for name in rows[0])
+        connection.execute(text(f'INSERT INTO "{table.name}" ({names}) SELECT {names} '
+                                f"FROM {source}"), params)
         return
     columns = list(rows[0])
     as_json = {name for name in columns if isinstance(table.c[name].type, JSON)}
@@ -98,15 +112,26 @@ def unnest(connection: Connection, table: Table, rows: Sequence[Mapping[str, Any
            ) -> tuple[str, dict[str, list[Any]]]:
     """PostgreSQL: ``unnest(arrays) AS v(columns)`` of the rows (every row the same
     keys), one typed array per column, with its parameters. Rows come out in the
-    order given, which keeps the lock order of the statements that use it."""
+    order given, which keeps the lock order of the statements that use it. JSON
+    values travel as text (None as SQL NULL, as COPY writes it)."""
     columns = tuple(rows[0])
-    return (_unnest_sql(table, columns, connection.dialect),
-            {f"a{i}": [row[name] for row in rows] for i, name in enumerate(columns)})
+    sql, as_json = _unnest_sql(table, columns, connection.dialect)
+    params = {}
+    for i, name in enumerate(columns):
+        values = [row[name] for row in rows]
+        if name in as_json:
+            values = [None if value is None else json.dumps(value) for value in values]
+        params[f"a{i}"] = values
+    return sql, params
 
 
 @functools.lru_cache(maxsize=256)
-def _unnest_sql(table: Table, columns: tuple[str, ...], dialect: Dialect) -> str:
-    arrays = ", ".join(f"CAST(:a{i} AS {table.c[name].type.compile(dialect=dialect)}[])"
-                       for i, name in enumerate(columns))
+def _unnest_sql(table: Table, columns: tuple[str, ...], dialect: Dialect
+                ) -> tuple[str, frozenset[str]]:
+    as_json = frozenset(name for name in columns if isinstance(table.c[name].type, JSON))
+    arrays = ", ".join(
+        f"CAST(CAST(:a{i} AS TEXT[]) AS JSON[])" if name in as_json
+        else f"CAST(:a{i} AS {table.c[name].type.compile(dialect=dialect)}[])"
+        for i, name in enumerate(columns))
     names = ", ".join(f'"{name}"' for name in columns)
-    return f"unnest({arrays}) AS v({names})"
+    return f"unnest({arrays}) AS v({names})", as_json
