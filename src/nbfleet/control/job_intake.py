@@ -93,16 +93,13 @@ class Reply:
 class JobIntake:
     """The queue and the one thread that admits what waits in it."""
 
-    def __init__(self, platform: Platform, max_batch: int = MAX_BATCH,
-                 workers: int | None = None) -> None:
+    def __init__(self, platform: Platform, max_batch: int = MAX_BATCH) -> None:
         self.platform = platform
         self.max_batch = max_batch
-        #: Threads admitting batches. On PostgreSQL two, so one batch's Python work
-        #: overlaps the other's round trips (their locks are taken in one global
-        #: order, so they only ever wait for each other); SQLite has one writer.
-        self.workers = workers or 1
         self._queue: queue.SimpleQueue[Submission | None] = queue.SimpleQueue()
-        self._threads: list[threading.Thread] = []
+        #: One admitting thread: a second (so one batch's Python overlaps the
+        #: other's round trips) measured slower, with batches half as large.
+        self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._shapes: tuple[float, list[admission.Shape]] | None = None
         self._last_size = 0
@@ -114,23 +111,20 @@ class JobIntake:
         return await asyncio.wrap_future(submission.answer)
 
     def close(self) -> None:
-        """Admit what is queued, then stop the threads."""
+        """Admit what is queued, then stop the thread."""
         with self._lock:
-            threads, self._threads = self._threads, []
-        for _ in threads:
+            thread, self._thread = self._thread, None
+        if thread is not None:
             self._queue.put(None)
-        for thread in threads:
             thread.join(30)
 
     def _start(self) -> None:
-        if not self._threads:
+        if self._thread is None:
             with self._lock:
-                if not self._threads:
-                    self._threads = [threading.Thread(target=self._run, daemon=True,
-                                                      name=f"job-intake-{i}")
-                                     for i in range(self.workers)]
-                    for thread in self._threads:
-                        thread.start()
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="job-intake",
+                                                    daemon=True)
+                    self._thread.start()
 
     def _run(self) -> None:
         stop = False

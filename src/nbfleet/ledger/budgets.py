@@ -18,7 +18,7 @@ from typing import Any
 from sqlalchemy import bindparam, select, text, update
 from sqlalchemy.orm import Session
 
-from nbfleet.db.bulk import unnest
+from nbfleet.db.bulk import run_arrays, unnest
 from nbfleet.db.credit_tables import Budget, SpendCounter
 from nbfleet.db.ids import new_id
 from nbfleet.db.queries import among
@@ -68,20 +68,21 @@ def _add_to_counters(session: Session, amounts: Mapping[tuple[str, str], int]
         return {}
     rows = [{"scope": scope, "period": period, "amount": amounts[scope, period]}
             for scope, period in keys]
+    upsert = ("INSERT INTO credit_spend (scope, period, amount) {values} ON CONFLICT "
+              "(scope, period) DO UPDATE SET amount = credit_spend.amount + excluded.amount "
+              "RETURNING scope, period, amount")
     connection = session.connection()
-    params: dict[str, Any]
     if connection.dialect.name == "postgresql":
-        source, params = unnest(connection, SpendCounter.__table__,  # type: ignore[arg-type]
+        source, arrays = unnest(connection, SpendCounter.__table__,  # type: ignore[arg-type]
                                 rows)
-        values = f"SELECT scope, period, amount FROM {source}"
+        result = run_arrays(connection, upsert.format(
+            values=f"SELECT scope, period, amount FROM {source}"), arrays)
     else:
         values = "VALUES " + ", ".join(f"(:s{i}, :p{i}, :a{i})" for i in range(len(keys)))
         params = {f"{letter}{i}": row[column] for i, row in enumerate(rows)
                   for letter, column in (("s", "scope"), ("p", "period"), ("a", "amount"))}
-    result = connection.execute(text(
-        f"INSERT INTO credit_spend (scope, period, amount) {values} "
-        "ON CONFLICT (scope, period) DO UPDATE SET amount = credit_spend.amount + "
-        "excluded.amount RETURNING scope, period, amount"), params)
+        result = [tuple(row) for row in connection.execute(
+            text(upsert.format(values=values)), params)]
     return {(scope, period): value for scope, period, value in result}
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
 
-from sqlalchemy import bindparam, text, update
+from sqlalchemy import bindparam, update
 from sqlalchemy.orm import Session
 
 from nbfleet.db.bulk import append_rows
@@ -94,26 +94,17 @@ _BUCKET_TOTALS = (
 
 
 def apply_to_buckets(session: Session, deltas: dict[str, dict[Account, int]]) -> None:
-    """Add the deltas to the buckets' totals, in bucket-id order (the lock order):
-    one statement on PostgreSQL, executemany elsewhere."""
+    """Add the deltas to the buckets' totals, in bucket-id order (the lock order).
+
+    One UPDATE per bucket (executemany, which psycopg pipelines), never one
+    statement for all of them: the metering path reaches here without having
+    locked the buckets, and only statements run in id order take their locks in id
+    order (a single UPDATE ... FROM takes them in whatever order its plan visits
+    them, which deadlocked concurrent settles on one wallet)."""
     rows = [
         {"b_id": bucket_id, **{f"d_{account}": delta[account] for account in BALANCE_ACCOUNTS}}
         for bucket_id, delta in sorted(deltas.items())
         if any(delta[account] for account in BALANCE_ACCOUNTS)
     ]
-    if not rows:
-        return
-    connection = session.connection()
-    if connection.dialect.name != "postgresql":
-        connection.execute(_BUCKET_TOTALS, rows)
-        return
-    connection.execute(text(
-        "UPDATE credit_buckets AS b SET "
-        + ", ".join(f"{account} = b.{account} + v.d_{account}" for account in BALANCE_ACCOUNTS)
-        + " FROM unnest(CAST(:ids AS VARCHAR[]), "
-        + ", ".join(f"CAST(:{account} AS BIGINT[])" for account in BALANCE_ACCOUNTS)
-        + ") AS v(b_id, " + ", ".join(f"d_{account}" for account in BALANCE_ACCOUNTS)
-        + ") WHERE b.id = v.b_id"),
-        {"ids": [row["b_id"] for row in rows],
-         **{str(account): [row[f"d_{account}"] for row in rows]
-            for account in BALANCE_ACCOUNTS}})
+    if rows:
+        session.connection().execute(_BUCKET_TOTALS, rows)
