@@ -103,12 +103,6 @@ def get(session: Session, name: str, version: str, for_update: bool = False) -> 
     return row
 
 
-def resolve(session: Session, name: str, version: str | None,
-            job_id: str) -> BinaryVersion:
-    """The version a new job runs: the pinned one, or stable/canary by routing."""
-    return choose(versions(session, name), name, version, job_id)
-
-
 def versions_of(session: Session, names: Collection[str]) -> dict[str, list[BinaryVersion]]:
     """Every version of each name, in registration order (one query for a batch)."""
     found: dict[str, list[BinaryVersion]] = {name: [] for name in names}

@@ -97,12 +97,6 @@ def _validate(request: HoldRequest) -> None:
         raise InvalidInput(f"lease_s must be between 1 and {MAX_LEASE_S}", field="lease_s")
 
 
-def find_by_work(session: Session, work_id: str) -> CreditHold | None:
-    return session.execute(
-        select(CreditHold).where(CreditHold.work_id == work_id)
-    ).scalar_one_or_none()
-
-
 def reserve(session: Session, request: HoldRequest, actor: audit.Actor,
             now: datetime) -> tuple[CreditHold, bool]:
     """Hold credits for a piece of work: (hold, created).
