@@ -119,6 +119,20 @@ def test_check_request_accepts_suspend_resume_otherwise(current: S, desired: D) 
 @pytest.mark.parametrize("current", list(S))
 def test_check_request_always_accepts_delete(current: S) -> None:
     check_request(current, D.DELETED)
+    check_request(current, D.DELETED, D.DELETED)  # a repeat
+
+
+@pytest.mark.parametrize("current", sorted(set(S) - GONE))
+@pytest.mark.parametrize("desired", [D.RUNNING, D.SUSPENDED])
+def test_a_requested_delete_is_final_before_the_reconciler_begins_it(current: S,
+                                                                     desired: D) -> None:
+    """A resume arriving before the reconciler's next pass must not undo a delete
+    (it used to, when the machine was slow enough: test_idempotency saw it in CI)."""
+    with pytest.raises(Conflict, match="being deleted") as info:
+        check_request(current, desired, D.DELETED)
+    assert info.value.extra["current_state"] == current.value
+    check_request(current, desired, D.RUNNING)
+    check_request(current, desired, D.SUSPENDED)
 
 
 def test_check_request_names_the_verb() -> None:

@@ -91,7 +91,7 @@ def create(session: Session, principal: Principal, name: str, now: datetime) -> 
 
 def request_state(ws: Workspace, desired: DesiredState, now: datetime) -> None:
     """Record a new desired state; a repeat of the current one changes nothing."""
-    check_request(WorkspaceState(ws.state), desired)
+    check_request(WorkspaceState(ws.state), desired, DesiredState(ws.desired_state))
     if ws.desired_state == desired:
         return
     ws.desired_state = desired

@@ -77,11 +77,17 @@ def check_transition(current: WorkspaceState, new: WorkspaceState) -> None:
         )
 
 
-def check_request(current: WorkspaceState, desired: DesiredState) -> None:
-    """Raise 409 when the API may not ask for ``desired`` in ``current``."""
-    if current in _REFUSED_BY[desired]:
+def check_request(current: WorkspaceState, desired: DesiredState,
+                  requested: DesiredState | None = None) -> None:
+    """Raise 409 when the API may not ask for ``desired`` in ``current``, with
+    ``requested`` the desired state already recorded. A delete is final from the
+    moment it is asked for, not only once the reconciler has begun it: otherwise
+    a resume arriving before the reconciler's next pass would undo the delete."""
+    deleting = requested is DesiredState.DELETED and desired is not DesiredState.DELETED
+    if current in _REFUSED_BY[desired] or deleting:
         raise Conflict(
-            f"cannot {_VERB[desired]} a workspace that is {current}",
+            f"cannot {_VERB[desired]} a workspace that is "
+            f"{'being deleted' if deleting else current}",
             current_state=str(current),
         )
 
