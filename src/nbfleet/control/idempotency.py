@@ -36,6 +36,11 @@ def request_fingerprint(method: str, path: str, body: Any) -> str:
     return hashlib.sha256(f"{method} {path}\n{canonical}".encode()).hexdigest()
 
 
+def refusal(error: DomainError) -> Outcome:
+    """A refusal as an outcome: an answer too, stored so a retry gets it again."""
+    return error.status, {"title": error.title, "detail": error.detail, **error.extra}
+
+
 def check_key(key: str | None) -> None:
     if key is not None and (not key or len(key) > MAX_KEY_LENGTH):
         raise InvalidInput("Idempotency-Key must be 1 to 255 characters")
@@ -66,7 +71,7 @@ def run_idempotent(
             _release(db, owner_id, key)
             raise
         # A refusal is an answer too: store it so a retry gets the same one.
-        outcome = (exc.status, {"title": exc.title, "detail": exc.detail, **exc.extra})
+        outcome = refusal(exc)
         with db.transaction() as session:
             _record(session, owner_id, key, outcome)
         raise

@@ -229,7 +229,8 @@ class JobIntake:
         for index, (submission, caller) in enumerate(zip(batch, callers, strict=True)):
             if submission.project is not None and \
                     named.get(caller.project_id) != submission.project:
-                outcomes[index] = _refusal(NotFound(f"no project {submission.project!r}"))
+                outcomes[index] = idempotency.refusal(
+                    NotFound(f"no project {submission.project!r}"))
             else:
                 admitted.append(index)
         results = admission.admit(session, [
@@ -242,7 +243,7 @@ class JobIntake:
         for index, result in zip(admitted, results, strict=True):
             if isinstance(result, DomainError) and result.status >= 500:
                 raise result  # transient: nothing is stored, and a retry runs it again
-            outcomes[index] = _refusal(result) if isinstance(result, DomainError) \
+            outcomes[index] = idempotency.refusal(result) if isinstance(result, DomainError) \
                 else (202, job_view(result))
         return [outcome for outcome in outcomes if outcome is not None]
 
@@ -258,8 +259,3 @@ def _project_names(session: Session, project_ids: Sequence[str]) -> dict[str, st
         return {}
     return {project_id: name for project_id, name in session.execute(
         select(Project.id, Project.name).where(among(session, Project.id, set(project_ids))))}
-
-
-def _refusal(error: DomainError) -> Outcome:
-    """A refusal is an answer too: stored under the key, so a retry gets it again."""
-    return error.status, {"title": error.title, "detail": error.detail, **error.extra}
