@@ -28,6 +28,7 @@ from typing import IO, Any, Protocol
 from nbfleet.agent import job_process as proc
 from nbfleet.agent.job_process import Attempt, JobSpec
 from nbfleet.agent.sandbox import Sandbox, gpu_devices, unseen
+from nbfleet.agent.sandbox.identity import Identities, Identity, hand_over
 from nbfleet.model.errors import Conflict, InvalidInput
 from nbfleet.model.jobs import argv
 from nbfleet.storage.blobs import BlobStore
@@ -57,12 +58,17 @@ class Reporter(Protocol):
 
 class JobRunner:
     def __init__(self, state_dir: str, blobs: BlobStore, reporter: Reporter, *,
-                 heartbeat_s: float = 2.0, sandbox: Sandbox | None = None) -> None:
+                 heartbeat_s: float = 2.0, sandbox: Sandbox | None = None,
+                 identities: Identities | None = None) -> None:
         self.jobs_dir = os.path.join(state_dir, "jobs")
-        #: Binaries run inside it when there is one: they see their own work
-        #: directory and the read-only system, never the agent's or control
-        #: plane's state and secrets.
+        #: Binaries run inside it when there is one: they see their output and
+        #: scratch directories and the read-only system, never the agent's files
+        #: for the attempt (its log, its process group record), the agent's or
+        #: control plane's state and secrets.
         self.sandbox = sandbox
+        #: With a root agent, each attempt runs as its own unprivileged uid.
+        self.identities = identities
+        self._identities: dict[tuple[str, int], Identity] = {}
         self.blobs = blobs
         self.reporter = reporter
         self.heartbeat_s = heartbeat_s
@@ -143,12 +149,15 @@ class JobRunner:
     async def _spawn(self, att: Attempt) -> IO[bytes]:
         spec = att.spec
         log_file = await asyncio.to_thread(_prepare, att)
+        env = proc.job_env(att.workdir, att.output_dir, spec.job_id, spec.attempt,
+                           spec.gpu_indices)
+        if self.sandbox is not None:
+            env["HOME"] = _scratch(att)
         try:
             att.process = await asyncio.create_subprocess_exec(
                 *self._command_line(att), stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=att.workdir,
-                env=proc.job_env(att.workdir, att.output_dir, spec.job_id, spec.attempt,
-                                 spec.gpu_indices),
+                env=env,
                 start_new_session=True,
                 # bwrap's --die-with-parent ties the sandbox to the agent already;
                 # with no preexec hook Python can vfork, which here is ~8 ms less
@@ -175,8 +184,16 @@ class JobRunner:
         # only, even under a hidden path such as /tmp.
         files = unseen(self.sandbox, [part for part in [executable, *att.spec.command[1:]]
                                       if os.path.isabs(part) and os.path.isfile(part)])
-        return self.sandbox.wrap([executable, *line[1:]], [att.workdir], att.workdir,
-                                 devices=gpu_devices(), job=True, readonly=files)
+        identity = None
+        if self.identities is not None:
+            identity = self._identities.setdefault((att.spec.job_id, att.spec.attempt),
+                                                   self.identities.allocate())
+        scratch = _scratch(att)
+        for path in (att.output_dir, scratch):
+            hand_over(path, identity)
+        return self.sandbox.wrap([executable, *line[1:]], [att.output_dir, scratch], scratch,
+                                 identity=identity, devices=gpu_devices(), job=True,
+                                 readonly=files)
 
     def _status(self, returncode: int) -> int:
         """The binary's own status: under bwrap, 128 + N is death by signal N (as
@@ -344,6 +361,9 @@ class JobRunner:
                      spec.job_id, spec.attempt)
         del self._live[(spec.job_id, spec.attempt)]
         await asyncio.to_thread(shutil.rmtree, att.workdir, True)
+        identity = self._identities.pop((spec.job_id, spec.attempt), None)
+        if identity is not None and self.identities is not None:
+            self.identities.release(identity)
 
     def _track(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(work)
@@ -373,4 +393,10 @@ def _prepare(att: Attempt) -> IO[bytes]:
     """The work dir, its output dir and the log, opened unbuffered so heartbeats
     upload every byte the job printed."""
     os.makedirs(att.output_dir, exist_ok=True)
+    os.makedirs(_scratch(att), exist_ok=True)
     return open(att.log_path, "ab", buffering=0)  # closed by _supervise
+
+
+def _scratch(att: Attempt) -> str:
+    """A sandboxed job's working directory and $HOME: writable, never uploaded."""
+    return os.path.join(att.workdir, "scratch")

@@ -15,6 +15,7 @@ import logging
 import os
 import uuid
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -23,6 +24,8 @@ import zmq.asyncio
 from jupyter_client.manager import AsyncKernelManager
 
 from nbfleet.agent.sandbox import Sandbox
+from nbfleet.agent.sandbox.cgroups import Cgroup
+from nbfleet.agent.sandbox.identity import Identity, hand_over
 from nbfleet.agent.wire import ClientMessage, KernelMessage, WireCodec, WireError
 
 log = logging.getLogger(__name__)
@@ -81,12 +84,22 @@ class SandboxedKernelManager(AsyncKernelManager):
 
     sandbox: Sandbox | None = None
     visible: list[str] = []
+    tmp: str | None = None
+    identity: Identity | None = None
+    cgroup: Cgroup | None = None
 
     def format_kernel_cmd(self, extra_arguments: list[str] | None = None) -> list[str]:
         argv: list[str] = super().format_kernel_cmd(extra_arguments)
         if self.sandbox is None:
             return argv
-        return self.sandbox.wrap(argv, self.visible, self.visible[0])
+        return self.sandbox.wrap(argv, self.visible, self.visible[0], tmp=self.tmp,
+                                 identity=self.identity, cgroup=self.cgroup)
+
+    def write_connection_file(self, **kwargs: Any) -> None:
+        """The file (0600, with the kernel's key) must be readable by the sandbox's uid."""
+        super().write_connection_file(**kwargs)
+        if self.identity is not None and self.connection_file:
+            os.chown(self.connection_file, self.identity.uid, self.identity.gid)
 
 
 class KernelProcess:
@@ -101,6 +114,9 @@ class KernelProcess:
         sandbox: Sandbox | None = None,
         visible: tuple[str, ...] = (),
         extra_arguments: tuple[str, ...] = (),
+        tmp: str | None = None,
+        identity: Identity | None = None,
+        cgroup: Cgroup | None = None,
     ) -> None:
         """``connection_dir`` holds the kernel's IPC sockets: keep its path short
         (a socket path must fit in 107 bytes). ``visible`` lists the directories,
@@ -142,6 +158,14 @@ class KernelProcess:
         )
         self.manager.sandbox = sandbox
         self.manager.visible = [workdir, connection_dir, *visible]
+        self.manager.tmp, self.manager.identity, self.manager.cgroup = tmp, identity, cgroup
+        #: Asked when the kernel dies by itself: why, when the platform knows (e.g.
+        #: its memory limit). The answer is told to the notebook and the agent.
+        self.death_reason: Callable[[], str | None] = lambda: None
+        #: The last such reason, until the next one (the kernel model carries it).
+        self.last_death: str | None = None
+        #: Called with (kernel, reason) after a death with a known reason.
+        self.on_death: Callable[[KernelProcess, str], None] = lambda kernel, reason: None
         self.codec: WireCodec | None = None
         self._identity = uuid.uuid4().hex.encode()
 
@@ -239,6 +263,10 @@ class KernelProcess:
         else:
             self._idle.clear()
 
+    def own(self, path: str) -> None:
+        """Give what the agent wrote for the kernel (a snapshot) to its sandbox uid."""
+        hand_over(path, self.manager.identity)
+
     def rename(self, kernel_id: str, workspace_id: str) -> None:
         """A warm kernel takes the identity of the workspace kernel it becomes."""
         self.id = kernel_id
@@ -285,7 +313,13 @@ class KernelProcess:
             if self._stopping or not self._ready.is_set() or self._lifecycle.locked():
                 continue
             if not await self.manager.is_alive() and not self._lifecycle.locked():
-                log.warning("kernel %s died; restarting it", self.id)
+                reason = self.death_reason()
+                log.warning("kernel %s died (%s); restarting it", self.id, reason or "exited")
+                if reason is not None:
+                    self.last_death = reason
+                    self._broadcast_own("stream", {"name": "stderr",
+                                                   "text": f"{reason}; it is restarting.\n"})
+                    self.on_death(self, reason)
                 self._set_state("restarting")
                 try:
                     await self.restart()
@@ -388,4 +422,5 @@ class KernelProcess:
             "idle_s": (datetime.now(UTC) - self.last_activity).total_seconds(),
             "execution_state": self.execution_state,
             "connections": len(self.clients),
+            "last_death": self.last_death,
         }

@@ -16,7 +16,7 @@ from typing import Any
 
 from nbfleet.agent import filesync, statesync
 from nbfleet.agent.kernel_process import KernelProcess
-from nbfleet.agent.sandbox import Sandbox
+from nbfleet.agent.sandbox import Isolation
 from nbfleet.agent.slots import Slot, new_kernel
 from nbfleet.agent.warmpool import WarmPool
 from nbfleet.model.errors import Conflict, NotFound, SuspendFailed
@@ -49,24 +49,28 @@ class Placed:
 
 class RuntimeManager:
     def __init__(self, state_dir: str, files: WorkspaceFiles, sockets_dir: str,
-                 sandbox: Sandbox | None = None, release_delay_s: float = 0.0,
+                 isolation: Isolation | None = None, release_delay_s: float = 0.0,
                  warm_pool: int = 0) -> None:
         self.runtimes_dir = f"{state_dir}/runtimes"
         self.sockets_dir = sockets_dir
-        self.sandbox = sandbox
+        self.isolation = isolation or Isolation(None)
+        self.sandbox = self.isolation.sandbox
+        #: Kernel deaths with a known reason (a memory limit), for the next heartbeat:
+        #: the control plane records them as the workspace's last error.
+        self.deaths: list[dict[str, str]] = []
         self.files = files
         self.blobs = files.blobs
         self.runtimes: dict[str, Runtime] = {}
         self.kernels: dict[str, KernelProcess] = {}
         self._generations: dict[str, int] = {}
         self._locks: dict[str, asyncio.Lock] = {}
-        self.pool = WarmPool(warm_pool, self.new_slot, sandbox)
+        self.pool = WarmPool(warm_pool, self.new_slot, self.sandbox)
         #: Fault injection for crash tests: hold a release or suspend open this long
         #: (a suspend, after its uploads and before it answers).
         self.release_delay_s = release_delay_s
 
     def new_slot(self, name: str) -> Slot:
-        return Slot.create(self.runtimes_dir, self.sockets_dir, name)
+        return Slot.create(self.runtimes_dir, self.sockets_dir, name, self.isolation)
 
     def _lock(self, workspace_id: str) -> asyncio.Lock:
         return self._locks.setdefault(workspace_id, asyncio.Lock())
@@ -115,6 +119,7 @@ class RuntimeManager:
                 asyncio.to_thread(filesync.materialize, self.files, workspace_id, slot.files),
                 asyncio.to_thread(self._restore_layer, workspace_id, packages, slot),
             )
+            await asyncio.to_thread(slot.hand_over)
             for index, (kernel_id, name) in enumerate(kernels):
                 if index == 0 and warm is not None:
                     kernel, path = warm.kernel, "warm"
@@ -173,6 +178,12 @@ class RuntimeManager:
     def _register(self, runtime: Runtime, kernel: KernelProcess) -> None:
         runtime.kernels[kernel.id] = kernel
         self.kernels[kernel.id] = kernel
+        kernel.on_death = self._died
+
+    def _died(self, kernel: KernelProcess, reason: str) -> None:
+        self.deaths.append({"workspace_id": kernel.workspace_id, "kernel_id": kernel.id,
+                            "reason": reason})
+        del self.deaths[:-100]  # bounded: a kernel that keeps dying reports its latest
 
     async def remove_kernel(self, kernel_id: str) -> None:
         kernel = self.get_kernel(kernel_id)
@@ -264,6 +275,7 @@ class RuntimeManager:
                 runtime.manifest.pop(path, None)
             else:
                 runtime.manifest[path] = filesync.write_local(runtime.workdir, path, data)
+                runtime.slot.hand_over_file(path)
 
     async def shutdown(self) -> None:
         """Agent exit: stop every kernel and save what the kernels wrote."""

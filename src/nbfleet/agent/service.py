@@ -18,7 +18,8 @@ from jupyter_client.kernelspec import KernelSpecManager
 
 from nbfleet.agent.jobs import JobRunner
 from nbfleet.agent.runtimes import RuntimeManager
-from nbfleet.agent.sandbox import make_sandbox
+from nbfleet.agent.sandbox import open_isolation
+from nbfleet.model.limits import Limits
 from nbfleet.model.resources import HostInventory, parse_gpu_spec
 from nbfleet.storage.blobs import BlobStore
 from nbfleet.storage.files import WorkspaceFiles
@@ -42,6 +43,11 @@ class AgentConfig:
     #: Directories kernels must never see besides the agent's own state (e.g. the
     #: control plane's home with its DB and secrets, in embedded mode).
     hidden_paths: list[str] = field(default_factory=list)
+    #: Each workspace's memory, CPU, process and disk limits (None: unlimited).
+    limits: Limits = field(default_factory=Limits)
+    #: A cgroup subtree delegated to this agent (e.g. ``/nbfleet``), for an
+    #: unprivileged agent; by default slots go below the agent's own cgroup.
+    cgroup_parent: str | None = None
     millicpus: int = field(default_factory=lambda: (os.cpu_count() or 1) * 1000)
     memory_mb: int = field(
         default_factory=lambda: os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20
@@ -106,11 +112,14 @@ class AgentService:
         self.state_dir = os.path.realpath(config.state_dir)
         # IPC socket paths must fit in 107 bytes, so they live under a short path.
         self.sockets_dir = os.path.join(tempfile.gettempdir(), f"nbfleet-{self.agent_id}")
-        self.sandbox = make_sandbox(
+        self.isolation = open_isolation(
             config.sandbox,
             [self.state_dir, self.sockets_dir,
              *(os.path.realpath(p) for p in config.hidden_paths)],
+            os.path.join(self.state_dir, "sandbox"), self.agent_id, config.limits,
+            config.cgroup_parent,
         )
+        self.sandbox = self.isolation.sandbox
         self._http = httpx.AsyncClient(
             base_url=config.control_url,
             headers={"Authorization": f"Bearer {config.secret}"},
@@ -136,6 +145,7 @@ class AgentService:
             "boot_id": self.boot_id,
             "inventory": {
                 "sandbox": "bwrap" if self.sandbox is not None else "none",
+                "isolation": self.isolation.report_json(),
                 "millicpus": self.inventory.millicpus,
                 "memory_mb": self.inventory.memory_mb,
                 "gpus": [
@@ -162,11 +172,14 @@ class AgentService:
             files = WorkspaceFiles(BlobStore(body["blobs_url"]))
             # Whatever a previous boot left here belonged to kernels that are gone.
             shutil.rmtree(self.sockets_dir, ignore_errors=True)
-            shutil.rmtree(os.path.join(self.state_dir, "runtimes"), ignore_errors=True)
+            runtimes_dir = os.path.join(self.state_dir, "runtimes")
+            if self.isolation.quotas is not None:
+                self.isolation.quotas.sweep(runtimes_dir)
+            shutil.rmtree(runtimes_dir, ignore_errors=True)
             os.makedirs(self.sockets_dir, mode=0o700)
             self.runtimes = RuntimeManager(
                 self.state_dir, files, self.sockets_dir,
-                sandbox=self.sandbox, release_delay_s=self.config.release_delay_s,
+                isolation=self.isolation, release_delay_s=self.config.release_delay_s,
                 warm_pool=self.config.warm_pool,
             )
             self.runtimes.pool.start()
@@ -176,6 +189,7 @@ class AgentService:
                 self.state_dir, BlobStore(body["blobs_url"]),
                 ControlReporter(self._http, self.agent_id, self.boot_id),
                 heartbeat_s=self.config.job_heartbeat_s, sandbox=self.sandbox,
+                identities=self.isolation.identities,
             )
             await self.jobs.open()
         log.info("registered as %s (%s)", self.agent_id, self.boot_id)
@@ -183,12 +197,16 @@ class AgentService:
     async def heartbeat_forever(self) -> None:
         while True:
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+            deaths = self.runtimes.deaths[:] if self.runtimes is not None else []
             try:
                 response = await self._http.post(
-                    f"/internal/agents/{self.agent_id}/heartbeat", json={"boot_id": self.boot_id}
+                    f"/internal/agents/{self.agent_id}/heartbeat",
+                    json={"boot_id": self.boot_id, "kernel_deaths": deaths},
                 )
                 if response.status_code in (404, 409):
                     await self.register()  # the control plane lost or replaced our record
+                elif response.is_success and self.runtimes is not None:
+                    del self.runtimes.deaths[:len(deaths)]
             except httpx.HTTPError as exc:
                 log.warning("heartbeat failed: %s", exc)
 
@@ -207,4 +225,5 @@ class AgentService:
             if self.runtimes is not None:
                 await self.runtimes.shutdown()
             shutil.rmtree(self.sockets_dir, ignore_errors=True)
+            self.isolation.close()
             await self._http.aclose()

@@ -19,12 +19,16 @@ import os
 import shutil
 import sys
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from jupyter_client.kernelspec import KernelSpecManager
 
 from nbfleet.agent.kernel_process import KernelProcess
-from nbfleet.agent.sandbox import Sandbox
+from nbfleet.agent.sandbox import Isolation, Sandbox
+from nbfleet.agent.sandbox.cgroups import Cgroup
+from nbfleet.agent.sandbox.identity import Identities, Identity, hand_over
+from nbfleet.agent.sandbox.quota import Disk
+from nbfleet.model.limits import Limits, format_size
 
 #: Environment variables a kernel may inherit. Everything else, the control plane's
 #: secrets included, is withheld from user code.
@@ -40,6 +44,7 @@ def kernel_env(home: str) -> dict[str, str]:
     env["PATH"] = f"{venv_bin}:{env.get('PATH', '/usr/bin:/bin')}"
     env.update(
         HOME=home,
+        USER="nbfleet",  # the sandbox's uid has no passwd entry; getpass asks $USER first
         TMPDIR="/tmp",  # private to the kernel inside the sandbox
         PYTHONUNBUFFERED="1",
         MPLBACKEND="agg",
@@ -57,19 +62,46 @@ def is_ipykernel(kernel_name: str) -> bool:
     return any("ipykernel" in part for part in argv)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(eq=False)
 class Slot:
     name: str
     root: str
     sockets: str  # short path: IPC socket paths must fit in 107 bytes
+    identity: Identity | None = None
+    cgroup: Cgroup | None = None
+    disk: Disk | None = None
+    limits: Limits = field(default_factory=Limits)
+    identities: Identities | None = None
+    _oom_seen: int = 0
 
     @classmethod
-    def create(cls, runtimes_dir: str, sockets_dir: str, name: str) -> Slot:
-        slot = cls(name, os.path.join(runtimes_dir, name), os.path.join(sockets_dir, name))
-        shutil.rmtree(slot.root, ignore_errors=True)  # a previous boot's leftovers
-        for path in (slot.files, slot.home, slot.packages, slot.state):
-            os.makedirs(path, exist_ok=True)
-        os.makedirs(slot.sockets, mode=0o700, exist_ok=True)
+    def create(cls, runtimes_dir: str, sockets_dir: str, name: str,
+               isolation: Isolation | None = None, limits: Limits | None = None) -> Slot:
+        """Make the slot's directories, and with ``isolation`` its uid, cgroup and disk.
+
+        Half-made slots are removed again: nothing is left behind on failure.
+        """
+        isolation = isolation or Isolation(None)
+        limits = limits or isolation.limits
+        slot = cls(name, os.path.join(runtimes_dir, name), os.path.join(sockets_dir, name),
+                   limits=limits, identities=isolation.identities)
+        try:
+            shutil.rmtree(slot.root, ignore_errors=True)  # a previous boot's leftovers
+            if isolation.quotas is not None and limits.disk_bytes:
+                slot.disk = isolation.quotas.create(name, slot.root, limits.disk_bytes)
+            for path in (slot.files, slot.home, slot.packages, slot.state, slot.tmp):
+                os.makedirs(path, exist_ok=True)
+            os.makedirs(slot.sockets, mode=0o700, exist_ok=True)
+            if isolation.identities is not None:
+                slot.identity = isolation.identities.allocate()
+                hand_over(slot.root, slot.identity)
+                hand_over(slot.sockets, slot.identity)
+            if isolation.cgroups is not None:
+                slot.cgroup = isolation.cgroups.create(name, limits)
+                slot._oom_seen = slot.cgroup.oom_kills()
+        except BaseException:
+            slot.remove()
+            raise
         return slot
 
     @property
@@ -88,15 +120,62 @@ class Slot:
     def state(self) -> str:
         return os.path.join(self.root, "state")
 
+    @property
+    def tmp(self) -> str:
+        """The sandbox's /tmp: on the slot's own disk, so it counts against its quota."""
+        return os.path.join(self.root, "tmp")
+
+    def hand_over(self, path: str | None = None) -> None:
+        """Give what the agent wrote into the slot to the sandbox's uid."""
+        hand_over(path or self.root, self.identity)
+
+    def hand_over_file(self, relative: str) -> None:
+        """Give one file the agent wrote under ``files/``, and the directories it
+        made for it, to the sandbox's uid."""
+        if self.identity is None:
+            return
+        path = os.path.join(self.files, relative)
+        while path != self.files and path.startswith(self.files):
+            os.lchown(path, self.identity.uid, self.identity.gid)
+            path = os.path.dirname(path)
+
+    def apply(self, limits: Limits) -> None:
+        """Change a live slot's limits (a warm slot claimed by a workspace whose
+        project sets its own). The disk keeps the size it was made with."""
+        self.limits = limits
+        if self.cgroup is not None:
+            self.cgroup.apply(limits)
+
+    def death_reason(self) -> str | None:
+        """Why the kernel in this slot just died, when the platform knows: the OOM
+        killer stopped it at the memory limit."""
+        if self.cgroup is None:
+            return None
+        kills = self.cgroup.oom_kills()
+        if kills <= self._oom_seen:
+            return None
+        self._oom_seen = kills
+        limit = self.limits.memory_bytes
+        return ("the kernel was stopped: it used its "
+                f"{format_size(limit) if limit else 'whole'} memory limit")
+
     def remove(self) -> None:
+        if self.disk is not None:
+            self.disk.remove()
+        if self.cgroup is not None:
+            self.cgroup.remove()
         shutil.rmtree(self.root, ignore_errors=True)
         shutil.rmtree(self.sockets, ignore_errors=True)
+        if self.identity is not None and self.identities is not None:
+            self.identities.release(self.identity)
 
     def adopt(self, other: Slot) -> None:
-        """Move another slot's files and packages here (same filesystem: renames only)."""
+        """Move another slot's files and packages here (a copy where the two slots
+        are separate filesystems), owned by this slot's uid."""
         for mine, theirs in ((self.files, other.files), (self.packages, other.packages)):
             for entry in os.listdir(theirs):
-                os.replace(os.path.join(theirs, entry), os.path.join(mine, entry))
+                shutil.move(os.path.join(theirs, entry), os.path.join(mine, entry))
+        self.hand_over()
 
 
 def new_kernel(slot: Slot, kernel_id: str, workspace_id: str, name: str,
@@ -107,6 +186,7 @@ def new_kernel(slot: Slot, kernel_id: str, workspace_id: str, name: str,
     state_dir = os.path.join(slot.state, uuid.uuid4().hex[:12])
     if is_ipykernel(name):
         os.makedirs(state_dir, exist_ok=True)
+        slot.hand_over(state_dir)
         extra = ("--ext", "nbfleet.kernel")
         env.update(
             NBFLEET_STATE_DIR=state_dir,
@@ -118,6 +198,8 @@ def new_kernel(slot: Slot, kernel_id: str, workspace_id: str, name: str,
         if preimport:
             env["NBFLEET_PREIMPORT"] = ",".join(preimport)
     kernel = KernelProcess(kernel_id, workspace_id, name, slot.files, env, slot.sockets,
-                           sandbox=sandbox, visible=(slot.root,), extra_arguments=extra)
+                           sandbox=sandbox, visible=(slot.root,), extra_arguments=extra,
+                           tmp=slot.tmp, identity=slot.identity, cgroup=slot.cgroup)
     kernel.state_dir = state_dir if extra else None
+    kernel.death_reason = slot.death_reason
     return kernel

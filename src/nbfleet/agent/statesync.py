@@ -104,6 +104,7 @@ async def restore(store: BlobStore, workspace_id: str, kernel: KernelProcess,
             await asyncio.to_thread(clear_dir, kernel.state_dir)
             report["bytes"] = await asyncio.to_thread(
                 download_state, store, workspace_id, key, kernel.state_dir)
+            await asyncio.to_thread(kernel.own, kernel.state_dir)
             await _run(kernel, RESTORE, RESTORE_TIMEOUT_S)
             report.update(await asyncio.to_thread(_read_report, kernel.state_dir))
         except (CorruptSnapshot, KernelFailed, ValueError, OSError) as exc:

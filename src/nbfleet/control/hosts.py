@@ -62,6 +62,14 @@ def heartbeat(session: Session, now: datetime, agent_id: str, boot_id: str) -> N
     agent.last_heartbeat_at = now
 
 
+def kernel_died(session: Session, agent_id: str, workspace_id: str, reason: str) -> None:
+    """Record why a kernel died as its workspace's last error; an agent may only
+    speak for workspaces it runs, so a report about any other is ignored."""
+    ws = session.get(Workspace, workspace_id, with_for_update=True)
+    if ws is not None and ws.host_id == agent_id:
+        ws.last_error = reason[:2000]
+
+
 def runtimes_lost(session: Session, host_id: str, now: datetime, reason: str,
                   keep_boot: str | None = None) -> int:
     """Send the host's running workspaces back to ``resuming``."""

@@ -33,8 +33,17 @@ class Registration(BaseModel):
     inventory: dict[str, Any]
 
 
+class KernelDeath(BaseModel):
+    workspace_id: str = Field(max_length=100)
+    kernel_id: str = Field(max_length=100)
+    reason: str = Field(max_length=1000)
+
+
 class Heartbeat(BaseModel):
     boot_id: str
+    #: Kernels that died for a reason the agent knows (a memory limit) since the
+    #: last heartbeat: each becomes its workspace's ``last_error``.
+    kernel_deaths: list[KernelDeath] = Field(default=[], max_length=1000)
 
 
 @router.post("/agents")
@@ -52,6 +61,9 @@ def agent_heartbeat(agent_id: str, body: Heartbeat, request: Request) -> None:
     platform = platform_of(request)
     with platform.db.transaction() as session:
         hosts.heartbeat(session, platform.db.now(session), agent_id, body.boot_id)
+        for death in body.kernel_deaths:
+            hosts.kernel_died(session, agent_id, death.workspace_id,
+                              f"kernel {death.kernel_id}: {death.reason}")
 
 
 class AttemptBeat(BaseModel):

@@ -1,0 +1,135 @@
+"""Disk quotas: each slot's directory is its own small ext4 filesystem.
+
+The agent (as root) gives every slot a loop-mounted ext4 image of the workspace's
+disk limit, holding its files, packages, home and ``/tmp``. A write past the limit
+fails inside the kernel with ENOSPC and nowhere else. The image is allocated in
+full when the slot is made (``fallocate``), so what kernels write can never take
+disk from the metadata DB, the blobs or the agent's own state: the space was
+reserved up front, and a slot that cannot reserve its space is refused while at
+least ``reserve_bytes`` stay free for the platform.
+
+Unprivileged agents cannot mount; they report the quota as missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+from nbfleet.model.errors import Conflict
+from nbfleet.model.limits import format_size
+
+log = logging.getLogger(__name__)
+
+#: Free space a slot may never take from the platform's own disk.
+DEFAULT_RESERVE_BYTES = 1 << 30
+_MKFS = ("-q", "-F", "-m", "0", "-E", "nodiscard,lazy_itable_init=1,lazy_journal_init=1")
+
+
+class QuotasUnavailable(RuntimeError):
+    """Loop-mounted filesystems cannot be made here (not root, or no loop devices)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Disk:
+    image: str
+    mountpoint: str
+    size: int
+
+    def remove(self) -> None:
+        unmount(self.mountpoint)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.image)
+
+
+def _run(*argv: str) -> None:
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    if result.returncode != 0:
+        raise OSError(f"{argv[0]} failed: {(result.stderr or result.stdout).strip()[:300]}")
+
+
+def unmount(mountpoint: str) -> None:
+    """Detach at once even if a process still holds a file there (``-l``); the loop
+    device frees itself when the last reference goes (``autoclear``)."""
+    if os.path.ismount(mountpoint):
+        try:
+            _run("umount", "-l", mountpoint)
+        except OSError as exc:
+            log.warning("could not unmount %s: %s", mountpoint, exc)
+
+
+def mounts_under(directory: str) -> list[str]:
+    """Mount points below ``directory``, deepest first."""
+    prefix = directory.rstrip("/") + "/"
+    found = []
+    with contextlib.suppress(OSError), open("/proc/self/mountinfo") as handle:
+        for line in handle:
+            point = line.split()[4].replace("\\040", " ")
+            if point.startswith(prefix):
+                found.append(point)
+    return sorted(found, key=len, reverse=True)
+
+
+class DiskQuotas:
+    def __init__(self, images_dir: str, reserve_bytes: int = DEFAULT_RESERVE_BYTES) -> None:
+        self.images_dir = images_dir
+        self.reserve_bytes = reserve_bytes
+
+    @classmethod
+    def open(cls, images_dir: str, reserve_bytes: int = DEFAULT_RESERVE_BYTES) -> DiskQuotas:
+        """Check, with a real mount, that quotas work here."""
+        if os.geteuid() != 0:
+            raise QuotasUnavailable("disk quotas need root (loop-mounted filesystems)")
+        if shutil.which("mkfs.ext4") is None or shutil.which("mount") is None:
+            raise QuotasUnavailable("disk quotas need mkfs.ext4 and mount (e2fsprogs, "
+                                    "util-linux)")
+        quotas = cls(images_dir, reserve_bytes)
+        os.makedirs(images_dir, mode=0o700, exist_ok=True)
+        probe = os.path.join(images_dir, "probe")
+        try:
+            quotas.create("probe", probe, 16 << 20).remove()
+        except OSError as exc:
+            raise QuotasUnavailable(f"cannot loop-mount a filesystem here: {exc}") from exc
+        finally:
+            with contextlib.suppress(OSError):
+                os.rmdir(probe)
+        return quotas
+
+    def create(self, name: str, mountpoint: str, size: int) -> Disk:
+        """A fresh filesystem of ``size`` bytes mounted at ``mountpoint``."""
+        image = os.path.join(self.images_dir, f"{name}.img")
+        free = shutil.disk_usage(self.images_dir).free
+        if free - size < self.reserve_bytes:
+            raise Conflict(f"this host cannot reserve {format_size(size)} of disk for a "
+                           f"workspace: {format_size(free)} free, and "
+                           f"{format_size(self.reserve_bytes)} stay reserved for the platform")
+        os.makedirs(mountpoint, exist_ok=True)
+        disk = Disk(image, mountpoint, size)
+        try:
+            fd = os.open(image, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            finally:
+                os.close(fd)
+            _run("mkfs.ext4", *_MKFS, image)
+            _run("mount", "-o", "loop,nosuid,nodev,noatime", image, mountpoint)
+        except BaseException:
+            disk.remove()
+            raise
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.join(mountpoint, "lost+found"))
+        return disk
+
+    def sweep(self, runtimes_dir: str) -> None:
+        """Unmount and delete what a previous boot of this agent left behind."""
+        for point in mounts_under(runtimes_dir):
+            unmount(point)
+        if os.path.isdir(self.images_dir):
+            for entry in os.scandir(self.images_dir):
+                if entry.name.endswith(".img"):
+                    with contextlib.suppress(OSError):
+                        os.unlink(entry.path)
