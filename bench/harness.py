@@ -147,17 +147,19 @@ async def gateway_kernel(url: str, home: Path) -> tuple[KernelSocket, str]:
     return sock, kernel_id
 
 
-async def workspace_kernel(url: str, home: Path) -> tuple[KernelSocket, str, str, str]:
-    """Like :func:`gateway_kernel`, also returning the workspace id and the user's token."""
+async def workspace_kernel(url: str, home: Path,
+                           name: str = "bench") -> tuple[KernelSocket, str, str, str]:
+    """Like :func:`gateway_kernel`, also returning the workspace id and the user's token;
+    ``name`` names the user (a tenant of its own) and the workspace."""
     admin_token = (home / "admin-token").read_text().strip()
     async with httpx.AsyncClient(base_url=url, timeout=60.0) as http:
         user = await http.post("/v1/admin/users",
                                headers={"Authorization": f"Bearer {admin_token}"},
-                               json={"name": "bench", "org": "bench", "project": "bench"})
+                               json={"name": name, "org": name, "project": "bench"})
         user.raise_for_status()
         token: str = user.json()["token"]
         http.headers["Authorization"] = f"Bearer {token}"
-        created = await http.post("/v1/workspaces", json={"name": "bench"})
+        created = await http.post("/v1/workspaces", json={"name": name})
         created.raise_for_status()
         workspace = created.json()["id"]
         deadline = time.monotonic() + START_TIMEOUT_S

@@ -35,6 +35,7 @@ BUFFER_LIMIT = 10_000
 REQUESTER_LIMIT = 10_000
 CLIENT_QUEUE_LIMIT = 10_000
 READY_TIMEOUT_S = 60.0
+HELD_LIMIT = 1000
 
 
 def jupyter_time(moment: datetime) -> str:
@@ -140,6 +141,8 @@ class KernelProcess:
         #: Where the state-capture extension writes (None: this kernel captures nothing).
         self.state_dir: str | None = None
         self._ready = asyncio.Event()
+        #: Client messages that arrived while the kernel was (re)starting.
+        self._held: list[tuple[Client, ClientMessage]] = []
         self._shell_seen = asyncio.Event()
         self._iopub_seen = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -219,6 +222,10 @@ class KernelProcess:
                 continue
         self._set_state("idle")
         self._ready.set()
+        held, self._held = self._held, []
+        for client, message in held:
+            if client in self.clients:
+                self._forward(client, message)
 
     def _send_internal(self, msg_type: str, content: dict[str, Any] | None = None) -> str:
         assert self.codec is not None
@@ -342,6 +349,15 @@ class KernelProcess:
         client.close()
 
     def send_from_client(self, client: Client, message: ClientMessage) -> None:
+        if not self._ready.is_set() and not self._stopping:
+            # (Re)starting: held until the new process's iopub is subscribed, or the
+            # cell's output would be published before anyone listens, and lost.
+            self._held.append((client, message))
+            del self._held[:-HELD_LIMIT]
+            return
+        self._forward(client, message)
+
+    def _forward(self, client: Client, message: ClientMessage) -> None:
         assert self.codec is not None
         if message.channel != "stdin":
             self._requesters[message.msg_id] = client

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from nbfleet.agent.sandbox.cgroups import Cgroup
 from nbfleet.agent.sandbox.identity import INNER_ID, Identity
@@ -53,9 +53,6 @@ class Sandbox:
     #: The compiled filter (``seccomp.write_filter``); None where libseccomp is missing.
     seccomp: str | None = None
     setpriv: str = "/usr/bin/setpriv"
-    #: Extra flags for the inner bubblewrap (tests use it to weaken one protection
-    #: and show that a probe then gets through).
-    weaken: tuple[str, ...] = field(default=())
 
     def wrap(self, argv: list[str], visible: list[str], workdir: str, *,
              tmp: str | None = None, identity: Identity | None = None,
@@ -139,7 +136,7 @@ class Sandbox:
                  "--unsetenv", "JPY_PARENT_PID"]
         if self.seccomp is not None:
             flags += ["--seccomp", str(SECCOMP_FD)]
-        return [*flags, *self.weaken]
+        return flags
 
     @staticmethod
     def _devices(devices: list[str]) -> list[str]:
