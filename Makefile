@@ -1,5 +1,9 @@
 # Two commands on a fresh machine: `make up` runs nbfleet, `make test` passes the tests.
 PY ?= python3
+# pytest-xdist workers; each test file runs whole on one worker (its module fixtures,
+# such as a shared cluster, start once).
+WORKERS ?= 2
+XDIST := -n $(WORKERS) --dist loadfile
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -22,10 +26,10 @@ up: $(STAMP)
 ## postgresql://postgres@127.0.0.1:5432/postgres): every test that touches the database;
 ## those marked no_db would only repeat.
 test: check
-	NBFLEET_TEST_PG= $(BIN)/python -m pytest
+	NBFLEET_TEST_PG= $(BIN)/python -m pytest $(XDIST)
 	@if [ -n "$$NBFLEET_TEST_PG" ]; then \
 		echo "== the database tests again, on PostgreSQL ($$NBFLEET_TEST_PG)"; \
-		$(BIN)/python -m pytest -m "not no_db"; \
+		$(BIN)/python -m pytest $(XDIST) -m "not no_db"; \
 	fi
 
 check: $(STAMP)
@@ -37,6 +41,7 @@ unit: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/cell_overhead.py
+	$(BIN)/python bench/isolation.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

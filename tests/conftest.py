@@ -48,12 +48,13 @@ def fresh_database(directory: Path) -> Iterator[str]:
 
 @contextlib.contextmanager
 def running_cluster(root: Path, control_args: tuple[str, ...] = (), warm_pool: int = 0,
-                    agent_env: dict[str, str] | None = None) -> Iterator[Cluster]:
+                    agent_env: dict[str, str] | None = None,
+                    agent_args: tuple[str, ...] = ()) -> Iterator[Cluster]:
     with fresh_database(root) as url:
         cluster = Cluster(root, url)
         try:
             cluster.start_control(args=control_args)
-            cluster.start_agent(env=agent_env, warm_pool=warm_pool)
+            cluster.start_agent(env=agent_env, warm_pool=warm_pool, args=agent_args)
             yield cluster
         finally:
             cluster.stop()

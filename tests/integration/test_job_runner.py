@@ -454,10 +454,13 @@ time.sleep(30)
 @pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap (CI installs it)")
 async def test_in_the_sandbox_a_binary_gets_its_sigterm_grace_and_real_signals(
         tmp_path: Path) -> None:
-    from nbfleet.agent.sandbox import make_sandbox
+    from nbfleet.agent.sandbox import open_isolation
 
     h = Harness(tmp_path)
-    h.runner.sandbox = make_sandbox("bwrap", [str(h.state_dir)])
+    isolation = open_isolation("bwrap", [str(h.state_dir)], str(tmp_path / "sandbox"),
+                               f"host_t{os.getpid()}")
+    isolation.close()  # jobs get no cgroups yet
+    h.runner.sandbox, h.runner.identities = isolation.sandbox, isolation.identities
     await h.runner.open()
     try:
         await h.runner.start(spec("job_term", command=[sys.executable, "-c", GRACEFUL]))

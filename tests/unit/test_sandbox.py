@@ -110,7 +110,8 @@ def test_a_python_environment_under_a_hidden_path_stays_visible(
     monkeypatch.setattr(isolation_module, "python_paths",
                         lambda: ["/tmp/clone/.venv", "/usr", "/srv/agent/venv"])
     monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")
-    isolation = open_isolation("auto", ["/srv/agent"], str(tmp_path), "host_t")
+    isolation = open_isolation("auto", ["/srv/agent"], str(tmp_path), f"host_t{os.getpid()}")
+    isolation.close()
     sandbox = isolation.sandbox
     assert sandbox is not None
     assert sandbox.readonly == ("/tmp/clone/.venv", "/srv/agent/venv")
@@ -147,7 +148,9 @@ def test_bwrap_mode_really_hides_paths(tmp_path: Path) -> None:
     hidden, visible = tmp_path / "hidden", tmp_path / "hidden" / "mine"
     visible.mkdir(parents=True)
     (hidden / "secret").write_text("s")
-    isolation = open_isolation("bwrap", [str(hidden)], str(tmp_path / "state"), "host_t")
+    isolation = open_isolation("bwrap", [str(hidden)], str(tmp_path / "state"),
+                               f"host_t{os.getpid()}")
+    isolation.close()  # its cgroups are not used here
     assert isolation.sandbox is not None
     identity = isolation.identities.allocate() if isolation.identities else None
     if identity is not None:

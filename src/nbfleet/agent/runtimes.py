@@ -20,6 +20,7 @@ from nbfleet.agent.sandbox import Isolation
 from nbfleet.agent.slots import Slot, new_kernel
 from nbfleet.agent.warmpool import WarmPool
 from nbfleet.model.errors import Conflict, NotFound, SuspendFailed
+from nbfleet.model.limits import Limits
 from nbfleet.storage.files import WorkspaceFiles
 from nbfleet.storage.snapshots import CorruptSnapshot, restore_layer, store_layer
 
@@ -69,8 +70,8 @@ class RuntimeManager:
         #: (a suspend, after its uploads and before it answers).
         self.release_delay_s = release_delay_s
 
-    def new_slot(self, name: str) -> Slot:
-        return Slot.create(self.runtimes_dir, self.sockets_dir, name, self.isolation)
+    def new_slot(self, name: str, limits: Limits | None = None) -> Slot:
+        return Slot.create(self.runtimes_dir, self.sockets_dir, name, self.isolation, limits)
 
     def _lock(self, workspace_id: str) -> asyncio.Lock:
         return self._locks.setdefault(workspace_id, asyncio.Lock())
@@ -88,7 +89,7 @@ class RuntimeManager:
     async def ensure(self, workspace_id: str, generation: int,
                      kernels: Iterable[tuple[str, str]],
                      snapshot: dict[str, str] | None = None,
-                     packages: str | None = None) -> Placed:
+                     packages: str | None = None, limits: Limits | None = None) -> Placed:
         """Make the runtime exist with these kernels running (idempotent).
 
         A new runtime gets the workspace's files, its package layer and each
@@ -101,7 +102,7 @@ class RuntimeManager:
             runtime = self.runtimes.get(workspace_id)
             if runtime is None:
                 return await self._place(workspace_id, generation, wanted, snapshot or {},
-                                         packages)
+                                         packages, self.isolation.limits.over(limits))
             runtime.generation = generation
             for kernel_id, name in wanted:
                 if kernel_id not in runtime.kernels:
@@ -109,9 +110,15 @@ class RuntimeManager:
             return Placed(runtime)
 
     async def _place(self, workspace_id: str, generation: int, kernels: list[tuple[str, str]],
-                     snapshot: dict[str, str], packages: str | None) -> Placed:
-        warm = self.pool.claim(kernels[0][1]) if kernels else None
-        slot = warm.slot if warm else await asyncio.to_thread(self.new_slot, workspace_id)
+                     snapshot: dict[str, str], packages: str | None, limits: Limits) -> Placed:
+        # A warm slot's disk was made at the default size: a project with a quota of
+        # its own gets a slot of its own.
+        fits = limits.disk_bytes == self.isolation.limits.disk_bytes
+        warm = self.pool.claim(kernels[0][1]) if kernels and fits else None
+        if warm is not None:
+            await asyncio.to_thread(warm.slot.apply, limits)
+        slot = warm.slot if warm else await asyncio.to_thread(self.new_slot, workspace_id,
+                                                                limits)
         placed = Placed(Runtime(workspace_id, generation, slot))
         runtime = placed.runtime
         try:
@@ -154,9 +161,11 @@ class RuntimeManager:
                 raise Conflict(f"workspace {workspace_id} has no runtime on this host")
             if kernel_id in runtime.kernels:
                 return runtime.kernels[kernel_id]
-            if not runtime.kernels:
+            fits = runtime.slot.limits.disk_bytes == self.isolation.limits.disk_bytes
+            if not runtime.kernels and fits:
                 warm = self.pool.claim(name)
                 if warm is not None:  # move the runtime into the warm kernel's slot
+                    await asyncio.to_thread(warm.slot.apply, runtime.slot.limits)
                     await asyncio.to_thread(warm.slot.adopt, runtime.slot)
                     await asyncio.to_thread(runtime.slot.remove)
                     runtime.slot = warm.slot

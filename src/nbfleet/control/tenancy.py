@@ -15,6 +15,7 @@ from nbfleet.db.engine import Database
 from nbfleet.db.ids import new_id
 from nbfleet.db.tables import ApiToken, Org, Project, User
 from nbfleet.model.errors import Conflict, InvalidInput, NotFound
+from nbfleet.model.limits import Limits
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 ADMIN_ORG = "system"
@@ -119,11 +120,14 @@ def _locked_project(session: Session, org_name: str, project_name: str) -> Proje
     return project
 
 
-def set_idle_suspend(db: Database, org_name: str, project_name: str,
-                     seconds: int | None) -> None:
-    """A project's own idle-suspend timeout (None: the platform default, 0: never)."""
+def set_project_settings(db: Database, org_name: str, project_name: str,
+                         idle_suspend_s: int | None, limits: Limits) -> None:
+    """A project's own idle-suspend timeout (None: the platform default, 0: never) and
+    kernel limits (each None field: the platform default)."""
     with db.transaction() as session:
-        _locked_project(session, org_name, project_name).idle_suspend_s = seconds
+        project = _locked_project(session, org_name, project_name)
+        project.idle_suspend_s = idle_suspend_s
+        project.kernel_limits = limits.as_dict() if limits != Limits() else None
 
 
 def set_job_settings(db: Database, org_name: str, project_name: str, weight: float,

@@ -44,6 +44,9 @@ class Project(Base):
     #: Suspend this project's idle workspaces after this many seconds (None: the
     #: platform default, 0: never).
     idle_suspend_s: Mapped[int | None] = mapped_column(Integer)
+    #: The project's own kernel limits (``model.limits.Limits.as_dict``; a None
+    #: field, or no row value, takes the platform's default).
+    kernel_limits: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
     #: GPU jobs: the project's fair-share weight, the GPUs preemption never takes
     #: it below, and caps on its running and queued jobs (None: no cap).
     job_weight: Mapped[float] = mapped_column(Float, default=1.0, server_default="1")

@@ -131,9 +131,10 @@ class Sandbox:
                  "--disable-userns", "--unshare-pid", "--unshare-net", "--unshare-ipc",
                  "--unshare-uts", "--hostname", "nbfleet", "--unshare-cgroup-try",
                  # In its PID namespace the kernel's parent is bubblewrap's init (pid
-                 # 1), which ipykernel's parent poller takes for "my parent died";
-                 # --die-with-parent ties the sandbox to the agent instead.
-                 "--unsetenv", "JPY_PARENT_PID"]
+                 # 1), which ipykernel's parent poller takes for "my parent died".
+                 # Parent 1 tells ipykernel not to poll (and not to print its console
+                 # notes); --die-with-parent ties the sandbox to the agent instead.
+                 "--setenv", "JPY_PARENT_PID", "1"]
         if self.seccomp is not None:
             flags += ["--seccomp", str(SECCOMP_FD)]
         return flags

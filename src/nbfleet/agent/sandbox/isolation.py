@@ -21,7 +21,7 @@ from nbfleet.agent.sandbox.command import Sandbox, under
 from nbfleet.agent.sandbox.identity import Identities
 from nbfleet.agent.sandbox.quota import DiskQuotas, QuotasUnavailable
 from nbfleet.agent.sandbox.seccomp import SeccompUnavailable, write_filter
-from nbfleet.model.limits import Limits
+from nbfleet.model.limits import Limits, format_size
 
 log = logging.getLogger(__name__)
 
@@ -152,8 +152,9 @@ def _open_limits(isolation: Isolation, state_dir: str, agent_id: str,
     report = isolation.report
     try:
         isolation.cgroups = CgroupTree.open(agent_id, cgroup_parent)
-        report["cgroups"] = (True, f"cgroup v{isolation.cgroups.version}: "
-                                   f"{isolation.limits.describe()} per workspace")
+        limits = isolation.limits.describe().rsplit(", disk", 1)[0]
+        report["cgroups"] = (True, f"cgroup v{isolation.cgroups.version}: {limits} "
+                                   "per workspace")
     except (CgroupsUnavailable, OSError) as exc:
         report["cgroups"] = (False, f"no memory, CPU or process limits: {exc}")
     if isolation.limits.disk_bytes is None:
@@ -161,7 +162,8 @@ def _open_limits(isolation: Isolation, state_dir: str, agent_id: str,
         return
     try:
         isolation.quotas = DiskQuotas.open(os.path.join(state_dir, "disks"))
-        report["disk"] = (True, "each workspace on its own preallocated filesystem: "
-                                "a full quota fails with ENOSPC in the cell only")
+        report["disk"] = (True, f"{format_size(isolation.limits.disk_bytes)} per workspace, "
+                                "its own preallocated filesystem: a full quota fails with "
+                                "ENOSPC in the cell only")
     except (QuotasUnavailable, OSError) as exc:
         report["disk"] = (False, f"no disk quota: {exc}")

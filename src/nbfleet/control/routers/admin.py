@@ -14,6 +14,7 @@ from nbfleet.control.auth import Principal
 from nbfleet.control.deps import platform_of, require_admin
 from nbfleet.db.tables import Agent
 from nbfleet.model.errors import InvalidInput
+from nbfleet.model.limits import Limits
 from nbfleet.web.render import iso
 
 router = APIRouter(prefix="/v1/admin", tags=["admin"])
@@ -40,17 +41,29 @@ async def create_user(body: CreateUser, request: Request,
 class ProjectSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
     idle_suspend_s: int | None = Field(
-        description="Suspend idle workspaces after this many seconds; 0 never, null the "
-                    "platform default", ge=0, le=30 * 86400)
+        None, description="Suspend idle workspaces after this many seconds; 0 never, null "
+                          "the platform default", ge=0, le=30 * 86400)
+    kernel_memory: str | None = Field(
+        None, max_length=32, description="Memory limit of the project's kernels, e.g. '8GiB' "
+                                         "(null: the platform default)")
+    kernel_cpus: float | None = Field(
+        None, gt=0, le=1024, description="CPU limit of the project's kernels, in CPUs")
+    kernel_pids: int | None = Field(
+        None, ge=1, le=1_000_000, description="Process limit of the project's kernels")
+    workspace_disk: str | None = Field(
+        None, max_length=32, description="Disk quota of each of the project's workspaces, "
+                                         "e.g. '20GiB' (applies from its next start)")
 
 
 @router.put("/orgs/{org}/projects/{project}/settings",
-            summary="Set a project's idle-suspend timeout")
+            summary="Set a project's idle-suspend timeout and kernel limits")
 async def project_settings(org: str, project: str, body: ProjectSettings, request: Request,
                            _: Principal = Depends(require_admin)) -> dict[str, Any]:
-    await asyncio.to_thread(tenancy.set_idle_suspend, platform_of(request).db, org, project,
-                            body.idle_suspend_s)
-    return {"org": org, "project": project, "idle_suspend_s": body.idle_suspend_s}
+    limits = Limits.parse(body.kernel_memory, body.kernel_cpus, body.kernel_pids,
+                          body.workspace_disk)
+    await asyncio.to_thread(tenancy.set_project_settings, platform_of(request).db, org,
+                            project, body.idle_suspend_s, limits)
+    return {"org": org, "project": project, **body.model_dump()}
 
 
 class JobSettings(BaseModel):
