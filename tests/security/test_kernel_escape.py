@@ -81,7 +81,9 @@ def _platform_user(mode: str) -> tuple[int, int] | None:
 def field(request: pytest.FixtureRequest) -> Iterator[Battlefield]:
     mode = str(request.param)
     run_as = _platform_user(mode)
-    root = Path(tempfile.mkdtemp(prefix="nbf-hostile-"))
+    # Outside /tmp (which every sandbox replaces anyway), like an NBFLEET_HOME in a
+    # checkout, so hiding the platform's directories is what the probes test.
+    root = Path(tempfile.mkdtemp(prefix="nbf-hostile-", dir="/var/tmp"))
     cgroups: contextlib.AbstractContextManager[str | None] = contextlib.nullcontext(None)
     if run_as is not None:
         cgroups = delegated_cgroups(*run_as, f"nbfleet-test-{uuid.uuid4().hex[:8]}")
@@ -178,19 +180,22 @@ def test_the_victims_secret_never_appears_anywhere_the_attacker_can_read(
     victim's secret (bounded: the writable and usual places, 20,000 files)."""
     code = f"""import os, json
 hits, seen = [], 0
-for top in ("/tmp", "/proc/self/cwd", "/home", "/root", "/run", "/var/tmp", "/dev/shm",
-            "/work", "/srv", "/opt"):
-    for root, dirs, files in os.walk(top):
-        for name in files:
-            seen += 1
-            if seen > 20000:
-                break
-            try:
-                with open(os.path.join(root, name), "rb") as handle:
-                    if {SECRET.encode()!r} in handle.read(1 << 20):
-                        hits.append(os.path.join(root, name))
-            except OSError:
-                pass
+def files():
+    for top in ("/tmp", "/proc/self/cwd", "/home", "/root", "/run", "/var/tmp", "/dev/shm",
+                "/work", "/srv", "/opt"):
+        for root, dirs, names in os.walk(top):
+            for name in names:
+                yield os.path.join(root, name)
+for path in files():
+    seen += 1
+    if seen > 20000:
+        break
+    try:
+        with open(path, "rb") as handle:
+            if {SECRET.encode()!r} in handle.read(1 << 20):
+                hits.append(path)
+    except OSError:
+        pass
 print(json.dumps({{"hits": hits, "seen": seen}}))
 """
     verdict = field.attacker.run(field.cluster, code)

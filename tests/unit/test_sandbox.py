@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -164,3 +165,31 @@ def test_bwrap_mode_really_hides_paths(tmp_path: Path) -> None:
     assert (visible / "ok").exists()
     if identity is not None:  # outside, the file belongs to the slot's uid, not root
         assert (visible / "ok").stat().st_uid == identity.uid
+
+
+def test_a_root_agent_hides_directories_the_sandbox_uid_could_not_enter() -> None:
+    """A 0700 home above the agent's state would stop the sandbox uid on its way to
+    its slot: it is covered by a passable tmpfs, and the slot bound back under it.
+    (Outside /tmp, which the sandbox replaces anyway.)"""
+    from nbfleet.agent.sandbox.command import _closed_ancestor
+
+    top = Path(tempfile.mkdtemp(dir="/var/tmp"))
+    try:
+        top.chmod(0o755)
+        home = top / "home"
+        slot = home / "agent" / "runtimes" / "ws_1"
+        slot.mkdir(parents=True)
+        home.chmod(0o700)
+        closed = _closed_ancestor(str(slot))
+        assert closed == str(home)
+        _check_covered(closed, str(slot))
+    finally:
+        shutil.rmtree(top)
+
+
+def _check_covered(closed: str, slot: str) -> None:
+    argv = Sandbox("/usr/bin/bwrap", (), privileged=True).wrap(["true"], [slot], "/")
+    assert argv[argv.index(closed) - 1] == "--tmpfs"
+    assert argv.index(closed) < argv.index(slot)
+    unprivileged = Sandbox("/usr/bin/bwrap", ()).wrap(["true"], [slot], "/")
+    assert closed not in unprivileged  # the agent's own uid passes through its own dirs

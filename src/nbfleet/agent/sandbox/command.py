@@ -106,14 +106,21 @@ class Sandbox:
         else:
             view += ["--size", str(TMPFS_BYTES), "--perms", "1777", "--tmpfs", "/tmp"]
         covers = ["/tmp"]
-        for path in self.hidden:
+        rebound = [*self.readonly, *readonly]
+        hide = list(self.hidden)
+        if self.privileged:
+            # The sandbox uid could not pass through a directory others may not
+            # enter (a 0700 home above the agent's state): hide it too, so that what
+            # is bound back below it sits under passable mount points.
+            hide += [closed for path in (*rebound, *visible)
+                     if (closed := _closed_ancestor(path)) is not None]
+        for path in dict.fromkeys(hide):
             # Under /tmp or another hidden directory it is hidden already; one that
             # does not exist has nothing to hide (and no mount point to use).
-            covered = any(under(path, c) and path != c for c in ("/tmp", *self.hidden))
+            covered = any(under(path, c) and path != c for c in ("/tmp", *hide))
             if not covered and os.path.isdir(path):
                 view += ["--perms", "0755", "--tmpfs", path]
                 covers.append(path)
-        rebound = [*self.readonly, *readonly]
         # bubblewrap makes missing mount points 0700 (root's, then nobody's inside):
         # the sandbox uid could not pass through them, so make them 0755 first.
         parents = dict.fromkeys(parent for path in (*rebound, *visible)
@@ -146,6 +153,19 @@ class Sandbox:
     @staticmethod
     def _tail(workdir: str) -> list[str]:
         return ["--die-with-parent", "--chdir", workdir, "--"]
+
+
+def _closed_ancestor(path: str) -> str | None:
+    """The outermost directory above ``path`` that others may not pass through."""
+    parts = path.strip("/").split("/")[:-1]
+    for depth in range(1, len(parts) + 1):
+        ancestor = "/" + "/".join(parts[:depth])
+        try:
+            if not os.stat(ancestor).st_mode & 0o001:
+                return ancestor
+        except OSError:
+            return None
+    return None
 
 
 def _parents_inside(path: str, covers: list[str]) -> tuple[str, ...]:
