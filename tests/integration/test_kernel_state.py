@@ -43,7 +43,10 @@ class Kernel:
         msg_id = self.client.execute(code, silent=silent, store_history=not silent,
                                      user_expressions=user_expressions or {})
         reply = self.client.get_shell_msg(timeout=60)
-        assert reply["parent_header"]["msg_id"] == msg_id
+        while reply["parent_header"]["msg_id"] != msg_id:
+            # wait_for_ready() may leave a second kernel_info_reply behind under load
+            assert reply["msg_type"] == "kernel_info_reply", reply
+            reply = self.client.get_shell_msg(timeout=60)
         elapsed = time.perf_counter() - started
         out = []
         while True:
@@ -307,3 +310,59 @@ def test_corrupt_manifest_raises_and_leaves_namespace_alone(
     (b.state_dir / "manifest.json").write_text(json.dumps(good))
     assert b.call(RESTORE)["restored"] == ["x"]
     assert b.value("x") == 2
+
+
+#: Before issue 13 this cell was re-run on every resume: it changes no user name.
+LOGGING_CELL = ("import threading\n"
+                "open('run.log', 'a').write('started\\n')\n"
+                "lock = threading.Lock()")
+
+
+def test_a_cell_that_writes_files_is_never_rerun(start_kernel: Callable[[str], Kernel]) -> None:
+    """Issue 13: a line appended once appeared 4 times after 3 suspend/resume cycles."""
+    a = start_kernel("a")
+    a.cell(LOGGING_CELL)
+    a.cell("gen = (i for i in range(3))")
+    assert a.call(FLUSH)["lost"] == ["lock"]
+    log = a.state_dir.parent / "work" / "run.log"
+    previous = a
+    for cycle in range(3):
+        kernel = start_kernel(f"cycle{cycle}")
+        copy_snapshot(previous.state_dir, kernel.state_dir)
+        report = kernel.call(RESTORE)
+        assert log.read_text() == "started\n", f"cycle {cycle}"
+        assert report["recomputed"] == ["gen"]
+        [lost] = report["lost"]
+        assert lost["name"] == "lock" and lost["type"] == "_thread.lock"
+        assert ("the cell that made it writes files (open(..., 'a')), so it is not re-run "
+                "on resume") in lost["reason"]
+        assert kernel.value("'lock' in globals()") is False
+        assert kernel.call(FLUSH)["lost"] == ["lock"]
+        previous = kernel
+
+
+def test_a_replay_that_hangs_is_stopped_and_the_restore_completes(
+        start_kernel: Callable[[str], Kernel]) -> None:
+    a = start_kernel("a")
+    a.cell("delay = 0")
+    a.cell("import time, threading\ntime.sleep(delay)\nlock = threading.Lock()")
+    a.cell("gen = (i for i in range(3))")
+    a.cell("delay = 60")  # the replay reads today's value: it would sleep a minute
+    a.call(FLUSH)
+    assert set(json.loads((a.state_dir / "manifest.json").read_text())["recipes"]) == {
+        "gen", "lock"}
+
+    b = start_kernel("b")
+    copy_snapshot(a.state_dir, b.state_dir)
+    started = time.monotonic()
+    report = b.call("__import__('nbfleet.kernel').kernel.restore(replay_budget_s=1.0)")
+    assert time.monotonic() - started < 10
+    assert report["recomputed"] == ["gen"]
+    assert report["lost"] == [{
+        "name": "lock", "type": "_thread.lock",
+        "reason": "re-running the cell that made it took longer than 1 s, so it was stopped"}]
+    assert "delay" in report["restored"]
+    # The kernel works on, and its own sleeps are not cut short by the replay's timer.
+    reply, _, elapsed = b.execute("import time\ntime.sleep(1.2)\nok = list(gen)")
+    assert reply["status"] == "ok" and elapsed >= 1.2
+    assert b.value("ok") == [0, 1, 2]

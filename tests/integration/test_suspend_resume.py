@@ -378,3 +378,44 @@ def test_agent_killed_mid_suspend_keeps_the_last_complete_snapshot(tmp_path: Pat
 def snapshot_count(cluster: Cluster, ws: str) -> int:
     return len(snapshot_keys(cluster, ws))
 
+
+# ------------------------------------------------- replays never repeat side effects
+def test_a_cell_that_writes_files_is_not_rerun_by_three_resumes(cold_cluster: Cluster) -> None:
+    """Issue 13: a line appended once appeared 4 times after 3 suspend/resume cycles."""
+    client = cold_cluster.new_user()
+    ws = create_running(client)
+    kernel = start_kernel(client, ws)
+    cell = "import threading\nopen('run.log', 'a').write('started\\n')\nlock = threading.Lock()"
+    assert run_cell(cold_cluster, client, ws, kernel, cell).status == "ok"
+    for cycle in range(3):
+        suspend(client, ws)
+        body = resume(client, ws)
+        report = body["restore"]["kernels"][kernel]
+        assert body["restore"]["generation"] == body["generation"]
+        assert [(lost["name"], lost["type"]) for lost in report["lost"]] == [
+            ("lock", "_thread.lock")], (cycle, report)
+        assert "writes files (open(..., 'a')), so it is not re-run on resume" in (
+            report["lost"][0]["reason"])
+        assert outcome(run_cell(cold_cluster, client, ws, kernel,
+                                "print(repr(open('run.log').read()), 'lock' in globals())")
+                       ) == "'started\\n' False\n", cycle
+    assert client.get(f"/v1/workspaces/{ws}/files/run.log").content == b"started\n"
+
+
+def test_a_replay_that_would_sleep_a_minute_does_not_hold_up_the_resume(
+        cold_cluster: Cluster) -> None:
+    client = cold_cluster.new_user()
+    ws = create_running(client)
+    kernel = start_kernel(client, ws)
+    for cell in ("delay = 0", "import time, threading\ntime.sleep(delay)\nlock = threading.Lock()",
+                 "delay = 60"):  # a replay reads today's delay: it would sleep a minute
+        assert run_cell(cold_cluster, client, ws, kernel, cell).status == "ok"
+    suspend(client, ws)
+    started = time.monotonic()
+    body = resume(client, ws)
+    assert time.monotonic() - started < 45  # the 10 s replay budget, then on
+    [lost] = body["restore"]["kernels"][kernel]["lost"]
+    assert lost["name"] == "lock"
+    assert lost["reason"] == ("re-running the cell that made it took longer than 10 s, "
+                              "so it was stopped")
+    assert outcome(run_cell(cold_cluster, client, ws, kernel, "print(delay)")) == "60\n"

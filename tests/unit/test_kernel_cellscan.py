@@ -177,3 +177,11 @@ def test_generated_statements(statements: list[tuple[str, str, str]]) -> None:
     assert result.mutated == mutated
     assert result.deleted == deleted
     assert result.imports == ()
+
+
+def test_definitions_are_the_sources_of_defs_and_named_lambdas() -> None:
+    """A later cell's replay re-defines the functions it calls from these."""
+    found = scan("def f(x):\n    return x\ng = lambda: 1\nif flag:\n    def h():\n        pass\n"
+                 "else:\n    def h():\n        return 2\nclass C:\n    def m(self):\n        pass\n"
+                 "k = m = lambda: 2", {}).definitions
+    assert found == {"f": "def f(x):\n    return x", "g": "g = lambda: 1"}

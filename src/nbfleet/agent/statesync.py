@@ -9,6 +9,7 @@ copies the directory to or from the store (``nbfleet.storage.snapshots``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -24,11 +25,27 @@ from nbfleet.storage.snapshots import CorruptSnapshot, clear_dir, download_state
 log = logging.getLogger(__name__)
 
 FLUSH = "__import__('nbfleet.kernel').kernel.flush()"
-RESTORE = ("__import__('importlib').invalidate_caches()\n"
-           "__import__('nbfleet.kernel').kernel.restore()")
 FLUSH_TIMEOUT_S = 300.0
+#: A backstop only: re-running cells is bounded inside the kernel (REPLAY_BUDGET_ENV);
+#: what is left is loading values, and code that never yields to a signal.
 RESTORE_TIMEOUT_S = 300.0
 INTERRUPT_GRACE_S = 10.0
+#: Seconds all replays of one kernel may take on resume (the kernel stops them).
+REPLAY_BUDGET_ENV = "NBFLEET_REPLAY_BUDGET_S"
+DEFAULT_REPLAY_BUDGET_S = 10.0
+
+
+def replay_budget_s() -> float:
+    try:
+        value = float(os.environ.get(REPLAY_BUDGET_ENV, DEFAULT_REPLAY_BUDGET_S))
+    except ValueError:
+        return DEFAULT_REPLAY_BUDGET_S
+    return value if value > 0 else DEFAULT_REPLAY_BUDGET_S
+
+
+def restore_code(budget_s: float) -> str:
+    return ("__import__('importlib').invalidate_caches()\n"
+            f"__import__('nbfleet.kernel').kernel.restore(replay_budget_s={budget_s!r})")
 
 OnBusy = Literal["wait", "interrupt"]
 
@@ -105,8 +122,10 @@ async def restore(store: BlobStore, workspace_id: str, kernel: KernelProcess,
             report["bytes"] = await asyncio.to_thread(
                 download_state, store, workspace_id, key, kernel.state_dir)
             await asyncio.to_thread(kernel.own, kernel.state_dir)
-            await _run(kernel, RESTORE, RESTORE_TIMEOUT_S)
+            await _run(kernel, restore_code(replay_budget_s()), RESTORE_TIMEOUT_S)
             report.update(await asyncio.to_thread(_read_report, kernel.state_dir))
+        except TimeoutError:  # an OSError too: before the clause that calls it corrupt
+            report.update(await _stop_restore(kernel))
         except (CorruptSnapshot, KernelFailed, ValueError, OSError) as exc:
             log.warning("snapshot %s of %s is unusable: %s", key, workspace_id, exc)
             await asyncio.to_thread(clear_dir, kernel.state_dir)
@@ -116,6 +135,29 @@ async def restore(store: BlobStore, workspace_id: str, kernel: KernelProcess,
     if message:
         kernel.announce(message)
     return report
+
+
+async def _stop_restore(kernel: KernelProcess) -> dict[str, Any]:
+    """The restore outran RESTORE_TIMEOUT_S: interrupt it so the resume goes on.
+
+    Interrupted while re-running cells, the kernel keeps what it loaded and writes
+    its report (the rest is reported lost); interrupted earlier it has loaded
+    nothing. A kernel that ignores the interrupt is restarted, empty.
+    """
+    assert kernel.state_dir is not None
+    log.warning("restore in kernel %s took longer than %.0f s; interrupting it",
+                kernel.id, RESTORE_TIMEOUT_S)
+    await kernel.interrupt()
+    if await kernel.wait_idle(INTERRUPT_GRACE_S):
+        with contextlib.suppress(OSError, ValueError):
+            return await asyncio.to_thread(_read_report, kernel.state_dir)
+        return {"files_only": True,
+                "error": f"restoring the variables took longer than {RESTORE_TIMEOUT_S:.0f} s "
+                         "and was stopped"}
+    await kernel.restart()
+    return {"files_only": True,
+            "error": f"restoring the variables took longer than {RESTORE_TIMEOUT_S:.0f} s; "
+                     "the kernel did not stop and was restarted"}
 
 
 def _read_report(state_dir: str) -> dict[str, Any]:

@@ -44,16 +44,24 @@ class Api:
         return response.json() if response.content else None
 
     def wait_for(self, path: str, done: Callable[[dict[str, Any]], bool],
-                 timeout_s: float = 120.0) -> dict[str, Any]:
-        """Poll a resource with a spinner until ``done`` says so."""
+                 timeout_s: float = 120.0,
+                 describe: Callable[[dict[str, Any]], str] | None = None,
+                 give_up: bool = True) -> dict[str, Any]:
+        """Poll a resource with a spinner until ``done`` says so.
+
+        On timeout: an error and exit 1, or with ``give_up=False`` the last body
+        (the caller then says truthfully where things stand).
+        """
         deadline = time.monotonic() + timeout_s
         with err.status("waiting...") as status:
             while True:
                 body: dict[str, Any] = self.json("GET", path)
-                status.update(f"state: {body.get('state')}")
+                status.update(describe(body) if describe else f"state: {body.get('state')}")
                 if done(body):
                     return body
                 if time.monotonic() > deadline:
+                    if not give_up:
+                        return body
                     err.print(f"[red]error:[/red] gave up after {timeout_s:.0f}s "
                               f"(state {body.get('state')})")
                     raise typer.Exit(1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -18,14 +19,47 @@ WAIT_OPT = typer.Option(False, "--wait", help="Wait until the workspace settles"
 
 
 def _settled(body: dict[str, Any]) -> bool:
-    return bool(body["state"] == body["desired_state"] or body["state"] == "failed")
+    """The requested state is reached. ``failed`` is not an end: the control plane
+    retries a failed placement until it succeeds or another state is asked for."""
+    return bool(body["state"] == body["desired_state"])
 
 
 #: How long one request may wait on the server before the CLI polls instead.
 SERVER_WAIT_S = 50  # under the client's 60 s timeout
+#: How long ``--wait`` then polls before saying the change is still in progress.
+POLL_S = 120.0
+
+_PROGRESS = {"create": "creating", "suspend": "suspending", "resume": "resuming",
+             "delete": "deleting"}
+
+
+def _describe(body: dict[str, Any]) -> str:
+    if body["state"] == "failed" and body.get("last_error"):
+        return f"state: failed, retrying ({body['last_error']})"
+    return f"state: {body['state']}"
+
+
+def _wait(api: Api, workspace_id: str, verb: str, body: dict[str, Any],
+          started: float) -> dict[str, Any]:
+    """Wait until the workspace settles; if it has not by then, print where it
+    stands and exit 1 saying it is still in progress (it has not failed)."""
+    if not _settled(body):
+        body = api.wait_for(f"/v1/workspaces/{workspace_id}", _settled, timeout_s=POLL_S,
+                            describe=_describe, give_up=False)
+    if _settled(body):
+        return body
+    print_json(body)
+    elapsed = time.monotonic() - started
+    note = (f"; its last attempt failed ({body['last_error']}) and is being retried"
+            if body.get("last_error") else "")
+    err.print(f"{verb} of {workspace_id}: still {_PROGRESS.get(verb, 'in progress')} after "
+              f"{elapsed:.0f} s (state {body['state']}{note}); "
+              f"`nbfleet ws get {workspace_id}` shows when it is done")
+    raise typer.Exit(1)
 
 
 def _change(api: Api, workspace_id: str, verb: str, wait: bool) -> None:
+    started = time.monotonic()
     headers = {"Idempotency-Key": str(uuid.uuid4())}
     if verb == "delete":
         body = api.json("DELETE", f"/v1/workspaces/{workspace_id}", headers=headers)
@@ -33,16 +67,26 @@ def _change(api: Api, workspace_id: str, verb: str, wait: bool) -> None:
         params = {"wait": SERVER_WAIT_S} if wait else {}
         body = api.json("POST", f"/v1/workspaces/{workspace_id}/{verb}", headers=headers,
                         params=params)
-    if wait and not _settled(body):
-        body = api.wait_for(f"/v1/workspaces/{workspace_id}", _settled)
+    generation = body.get("generation")
+    if wait:
+        body = _wait(api, workspace_id, verb, body, started)
     print_json(body)
     if wait and verb == "resume":
-        _tell_restored(body)
+        _tell_restored(body, generation)
 
 
-def _tell_restored(body: dict[str, Any]) -> None:
-    """One line per kernel on stderr: what came back and what did not."""
-    for kernel_id, report in ((body.get("restore") or {}).get("kernels") or {}).items():
+def _tell_restored(body: dict[str, Any], generation: int | None) -> None:
+    """One line per kernel on stderr: what this resume brought back and what not.
+
+    The summary must be this resume's: one recorded for another generation (an
+    earlier resume) is never shown as if it were.
+    """
+    summary = body.get("restore") or {}
+    if summary.get("generation") != generation:
+        if (body.get("snapshot") or {}).get("kernels"):
+            err.print("no restore report for this resume")
+        return
+    for kernel_id, report in (summary.get("kernels") or {}).items():
         if report.get("files_only"):
             err.print(f"kernel {kernel_id}: files only ({report.get('error')})")
             continue
@@ -52,6 +96,8 @@ def _tell_restored(body: dict[str, Any]) -> None:
                   + (f", recomputed {', '.join(report['recomputed'])}"
                      if report.get("recomputed") else "")
                   + (f"; not restored: {lost}" if lost else ""))
+    for kernel_id in summary.get("unreported", []):
+        err.print(f"kernel {kernel_id}: restored by an earlier attempt whose report was lost")
 
 
 @app.command("create")
@@ -59,10 +105,11 @@ def create(name: str, wait: bool = WAIT_OPT, url: str | None = URL_OPT,
            token: str | None = TOKEN_OPT) -> None:
     """Create a workspace (it starts running)."""
     api = Api(url, token)
+    started = time.monotonic()
     body = api.json("POST", "/v1/workspaces", json={"name": name},
                     headers={"Idempotency-Key": str(uuid.uuid4())})
     if wait:
-        body = api.wait_for(f"/v1/workspaces/{body['id']}", _settled)
+        body = _wait(api, body["id"], "create", body, started)
     print_json(body)
 
 

@@ -262,12 +262,31 @@ class Reconciler:
         return result
 
 
+def _restore_summary(work: Work, result: dict[str, Any], now: datetime) -> dict[str, Any] | None:
+    """What this placement (of ``work.generation``) restored, replacing any earlier one:
+    a summary is never shown for a resume it does not belong to.
+
+    An agent that already had the runtime (an earlier attempt placed it, and its answer
+    was lost: the control plane timed out) reports nothing for it; such kernels are
+    listed as ``unreported`` rather than passed off as restored or lost.
+    """
+    reports = result.get("restore") or {}
+    saved = sorted((work.snapshot or {}).get("kernels") or {})
+    if not reports and not saved:
+        return None
+    summary = {"generation": work.generation, "at": iso(now), "kernels": reports,
+               "packages": result.get("packages") or {}}
+    unreported = [kernel_id for kernel_id in saved if kernel_id not in reports]
+    if unreported:
+        summary["unreported"] = unreported
+    return summary
+
+
 def _record(ws: Workspace, work: Work, result: dict[str, Any], now: datetime) -> None:
     """Keep what an agent reported: the snapshot a suspend saved, what a resume restored."""
     kernel_ids = {kid for kid, _ in work.kernels}
-    if work.step.action is Action.PLACE and result.get("restore"):
-        ws.restore = {"at": iso(now), "kernels": result["restore"],
-                      "packages": result.get("packages") or {}}
+    if work.step.action is Action.PLACE:
+        ws.restore = _restore_summary(work, result, now)
     saved = result.get("snapshot")
     if work.step.action is Action.RELEASE and isinstance(saved, dict):
         previous = (ws.snapshot or {}).get("kernels", {})

@@ -50,10 +50,21 @@ def _snapshot_summary(snapshot: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def is_done(ws: Workspace) -> bool:
-    """True once a requested change has run its course, well or badly."""
+    """True once a requested change has run its course. ``failed`` is not the end of
+    one: the reconciler retries a failed placement (with backoff) until it succeeds
+    or another state is requested, so a wait goes on and, if time runs out, answers
+    202 with the last error rather than a final-looking failure."""
     state = WorkspaceState(ws.state)
-    return is_settled(state, DesiredState(ws.desired_state)) or state in (
-        WorkspaceState.FAILED, WorkspaceState.DELETED)
+    return is_settled(state, DesiredState(ws.desired_state)) or state is WorkspaceState.DELETED
+
+
+def for_request(body: dict[str, Any], generation: int) -> dict[str, Any]:
+    """``body`` answering the request that produced ``generation``: a restore summary
+    recorded for another generation (an earlier resume) is left out."""
+    restore = body.get("restore")
+    if isinstance(restore, dict) and restore.get("generation") != generation:
+        return {**body, "restore": None}
+    return body
 
 
 def get_visible(session: Session, principal: Principal, workspace_id: str,

@@ -96,10 +96,17 @@ def flush() -> dict[str, Any]:
     return _snapshot.flush(capture)
 
 
-def restore() -> dict[str, Any]:
-    """Load ``<STATE_DIR>/manifest.json`` into the user namespace; ValueError if corrupt."""
+def restore(replay_budget_s: float | None = None) -> dict[str, Any]:
+    """Load ``<STATE_DIR>/manifest.json`` into the user namespace; ValueError if corrupt.
+
+    Re-running cells for values that cannot be pickled may take ``replay_budget_s``
+    seconds in all (default: ``NBFLEET_REPLAY_BUDGET_S``, else 10).
+    """
     capture = _active()
     state_dir = _state_dir()
     if capture is None or state_dir is None:
         return _restore.empty_report()
-    return _restore.restore(capture.shell, state_dir, capture)
+    from nbfleet.kernel.replay import budget_from_env  # loaded on restore only
+
+    budget = replay_budget_s if replay_budget_s and replay_budget_s > 0 else budget_from_env()
+    return _restore.restore(capture.shell, state_dir, capture, budget)

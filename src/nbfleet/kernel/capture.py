@@ -56,6 +56,10 @@ class Capture:
         self.store = BlobStore(state_dir / "blobs")
         self.imports: list[str] = []
         self.footprints: dict[str, frozenset[str]] = {}
+        self.definitions: dict[str, str] = {}  # name -> source of its def / lambda
+        # Values a restore could not bring back, reported again by every snapshot until
+        # the name is bound anew: a later resume must not pass over them in silence.
+        self.still_lost: dict[str, dict[str, str]] = {}
         self.recipes = RecipeBook()
         self.records: dict[str, Record] = {}
         self.last_post_run_seconds = 0.0
@@ -141,6 +145,10 @@ class Capture:
             self.footprints[name] = footprint
         for name in (defined - scan.functions.keys()) | deleted:
             self.footprints.pop(name, None)
+        for name in (defined - scan.definitions.keys()) | deleted:
+            self.definitions.pop(name, None)
+        self.definitions.update((name, source) for name, source in scan.definitions.items()
+                                if name in after)
         ns = self.shell.user_ns
         if defined or mutated:
             cell = CellRecord(
@@ -152,6 +160,8 @@ class Capture:
             self.recipes.record(cell, defined - rebuilt, rebuilt, mutated)
         for name in deleted:
             self.recipes.forget(name)
+        for name in defined | deleted:
+            self.still_lost.pop(name, None)
         with self._lock:
             for name in deleted:
                 self._dirty.pop(name, None)
@@ -244,7 +254,9 @@ class Capture:
         return dict(self.records)
 
     def adopt(self, records: dict[str, Record], imports: list[str],
-              footprints: dict[str, frozenset[str]], recipes: dict[str, list[str]]) -> None:
+              footprints: dict[str, frozenset[str]], recipes: dict[str, list[str]],
+              definitions: dict[str, str] | None = None,
+              lost: dict[str, dict[str, str]] | None = None) -> None:
         """After a restore: the restored values are clean and keep their blobs."""
         with self._lock:
             for name, record in records.items():
@@ -254,5 +266,7 @@ class Capture:
             if statement not in self.imports:
                 self.imports.append(statement)
         self.footprints.update(footprints)
+        self.definitions.update(definitions or {})
+        self.still_lost.update(lost or {})
         for name, sources in recipes.items():
             self.recipes.seed(name, sources, self.footprints)

@@ -30,6 +30,9 @@ class CellScan:
     imports: tuple[str, ...] = ()
     functions: Mapping[str, frozenset[str]] = field(default_factory=dict)
     uses_magic: bool = False
+    definitions: Mapping[str, str] = field(default_factory=dict)
+    """Source of each ``def f`` / ``f = lambda ...`` at module level: a later cell's
+    replay re-defines the function from it (see :mod:`nbfleet.kernel.purity`)."""
 
 
 def scan(source: str, footprints: Mapping[str, frozenset[str]]) -> CellScan:
@@ -55,6 +58,8 @@ def scan(source: str, footprints: Mapping[str, frozenset[str]]) -> CellScan:
         imports=tuple(visitor.imports),
         functions=functions,
         uses_magic=_calls_get_ipython(tree),
+        definitions={name: source for name, source in visitor.definitions.items()
+                     if source is not None},
     )
 
 
@@ -98,6 +103,8 @@ class _ModuleScope(ast.NodeVisitor):
         self.called: set[str] = set()
         self.imports: list[str] = []
         self.functions: dict[str, frozenset[str]] = {}
+        # None: bound more than once by the cell, so which source made it is unknown.
+        self.definitions: dict[str, str | None] = {}
         # Names bound by enclosing comprehensions, mapped to the names their
         # iterables came from: mutating ``x`` in ``[x.pop() for x in rows]`` mutates ``rows``.
         self._comp_scopes: list[dict[str, frozenset[str]]] = []
@@ -144,6 +151,15 @@ class _ModuleScope(ast.NodeVisitor):
         # A walrus binds in the enclosing function scope even inside a comprehension.
         self.defined.add(node.target.id)
         self.visit(node.value)
+
+    def _define(self, name: str, node: ast.AST) -> None:
+        self.definitions[name] = None if name in self.definitions else ast.unparse(node)
+
+    def visit_Assign(self, node: ast.Assign) -> None:
+        if (len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+                and isinstance(node.value, ast.Lambda)):
+            self._define(node.targets[0].id, node)
+        self.generic_visit(node)
 
     def visit_AugAssign(self, node: ast.AugAssign) -> None:
         if isinstance(node.target, ast.Name):
@@ -227,6 +243,8 @@ class _ModuleScope(ast.NodeVisitor):
                 self.visit(default)
         self.defined.add(node.name)
         self.functions[node.name] = frozenset(free_names(node))
+        if isinstance(node, ast.FunctionDef) and not self._comp_scopes:
+            self._define(node.name, node)
 
     visit_AsyncFunctionDef = visit_FunctionDef
 

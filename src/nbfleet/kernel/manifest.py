@@ -82,6 +82,9 @@ def parse(text: str | bytes) -> dict[str, Any]:
     footprints = doc.get("footprints", {})
     _check(isinstance(footprints, dict) and all(_is_str_list(v) for v in footprints.values()),
            "footprints is not an object of name lists")
+    definitions = doc.get("definitions", {})
+    _check(isinstance(definitions, dict) and all(isinstance(v, str) for v in definitions.values()),
+           "definitions is not an object of sources")
     _check(_is_str_list(doc.get("blobs", [])), "blobs is not a list of strings")
     return doc
 

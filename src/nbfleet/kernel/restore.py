@@ -82,13 +82,16 @@ def _lost(name: str, kind: str, reason: str) -> dict[str, str]:
     return {"name": name, "type": kind, "reason": reason}
 
 
-def restore(shell: Any, state_dir: Path, capture: Capture | None) -> dict[str, Any]:
+def restore(shell: Any, state_dir: Path, capture: Capture | None,
+            budget_s: float = 10.0) -> dict[str, Any]:
+    """``budget_s``: how long re-running cells (for unpicklable values) may take in all."""
     started = time.perf_counter()
     path = state_dir / "manifest.json"
     if not path.exists():
         report = empty_report()
     else:
-        report = _restore(shell, manifest.read(path), BlobStore(state_dir / "blobs"), capture)
+        report = _restore(shell, manifest.read(path), BlobStore(state_dir / "blobs"), capture,
+                          budget_s)
     report["seconds"] = round(time.perf_counter() - started, 6)
     if state_dir.is_dir():
         manifest.write_json_atomic(state_dir / REPORT, report)
@@ -96,7 +99,7 @@ def restore(shell: Any, state_dir: Path, capture: Capture | None) -> dict[str, A
 
 
 def _restore(shell: Any, doc: dict[str, Any], store: BlobStore,
-             capture: Capture | None) -> dict[str, Any]:
+             capture: Capture | None, budget_s: float) -> dict[str, Any]:
     if capture is not None:
         capture.quiesce()
     lost = [_lost(name, str(info.get("type", "?")), str(info.get("reason", "")))
@@ -121,23 +124,14 @@ def _restore(shell: Any, doc: dict[str, Any], store: BlobStore,
     del parts
     shell.user_ns.update(staged)  # all at once: nothing half-restored
 
-    # Recipes run after the values are in place: the functions they call look
-    # their globals up in the user namespace.
-    recomputed: dict[str, Any] = {}
+    # Recipes run after the values are in place: they read some of them (copied).
+    from nbfleet.kernel import replay  # only on restore: kernels start lighter
+
     kinds: dict[str, str] = doc.get("recipe_types", {})
-    recipes: dict[str, list[str]] = doc.get("recipes", {})
-    for name in sorted(recipes):
-        scratch = dict(shell.user_ns)
-        scratch.pop(name, None)
-        try:
-            for index, source in enumerate(recipes[name]):
-                exec(compile(source, f"<nbfleet recipe {name} #{index + 1}>", "exec"), scratch)
-            recomputed[name] = scratch[name]
-        except BaseException as error:  # SystemExit and KeyboardInterrupt included
-            if isinstance(error, KeyboardInterrupt):
-                raise
-            lost.append(_lost(name, str(kinds.get(name, "?")),
-                              f"replaying the cells that defined it failed: {error!r}"))
+    definitions: dict[str, str] = doc.get("definitions", {})
+    outcome = replay.replay(doc.get("recipes", {}), kinds, shell.user_ns, definitions, budget_s)
+    recomputed = outcome.values
+    lost.extend(outcome.lost)
     shell.user_ns.update(recomputed)
 
     if capture is not None:
@@ -147,7 +141,9 @@ def _restore(shell: Any, doc: dict[str, Any], store: BlobStore,
                         for name, value in recomputed.items()})
         capture.adopt(records, imports,
                       {n: frozenset(f) for n, f in doc.get("footprints", {}).items()},
-                      {name: recipes[name] for name in recomputed})
+                      {name: outcome.programs[name] for name in recomputed}, definitions,
+                      {item["name"]: {"type": item["type"], "reason": item["reason"]}
+                       for item in lost if item["name"] not in shell.user_ns})
     return {
         "restored": sorted(staged),
         "recomputed": sorted(recomputed),

@@ -16,25 +16,37 @@ def _refs(entry: dict[str, Any]) -> list[Ref]:
 
 def build(capture: Capture) -> dict[str, Any]:
     """The manifest document for the namespace as it is now (pickles what is dirty)."""
+    from nbfleet.kernel import purity  # only when a snapshot is taken: kernels start lighter
+
     records = capture.settle()
     unpicklable = {name for name, record in records.items() if isinstance(record, Failed)}
     values: dict[str, Any] = {}
     recipes: dict[str, list[str]] = {}
     recipe_types: dict[str, str] = {}
     lost: dict[str, dict[str, str]] = {}
+    env = purity.Namespace(capture.shell.user_ns, capture.definitions)
     for name in sorted(records):
         record = records[name]
         if isinstance(record, Pickled):
             values[name] = record.entry
             continue
         recipe = capture.recipes.recipe(name, unpicklable)
-        if recipe.sources:
-            recipes[name] = recipe.sources
-            recipe_types[name] = record.type
-        else:
+        if not recipe.sources:
             lost[name] = {"type": record.type,
                           "reason": f"cannot be pickled ({record.reason}) and cannot be "
                                     f"recomputed: {recipe.reason}"}
+            continue
+        verdict = purity.check(recipe.sources, env)
+        if verdict.safe:
+            recipes[name] = list(verdict.program)
+            recipe_types[name] = record.type
+        else:
+            lost[name] = {"type": record.type,
+                          "reason": f"cannot be pickled ({record.reason}); "
+                                    + purity.not_rerun(verdict.reason)}
+    for name, info in capture.still_lost.items():
+        if name not in records:
+            lost.setdefault(name, dict(info))
     shas = blob_shas(ref for entry in values.values() for ref in _refs(entry))
     return {
         "format": manifest.FORMAT,
@@ -47,6 +59,8 @@ def build(capture: Capture) -> dict[str, Any]:
         "footprints": {name: sorted(footprint)
                        for name, footprint in sorted(capture.footprints.items())
                        if name in records},
+        "definitions": {name: source for name, source in sorted(capture.definitions.items())
+                        if name in records},
         "blobs": sorted(shas),
     }
 

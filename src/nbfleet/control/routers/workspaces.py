@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from typing import Any
 
@@ -96,29 +97,37 @@ def workspace_events(workspace_id: str, request: Request,
 
 WAIT = Query(0.0, ge=0, le=300, description=(
     "Seconds to wait for the change to finish. 0 answers 202 at once; otherwise the "
-    "answer is 200 with the settled workspace (and, for a resume, what was restored), "
-    "or 202 if it is still in progress when the time is up."))
+    "answer is 200 with the settled workspace (and, for a resume, what this resume "
+    "restored), or 202 if it is still in progress when the time is up: `failed` is not "
+    "final, a failed placement is retried and `last_error` says why it failed."))
 
 
 async def _request_state(request: Request, principal: Principal, workspace_id: str,
                          desired: DesiredState, wait: float = 0.0) -> JSONResponse:
     platform = platform_of(request)
     db = platform.db
+    resuming = desired is DesiredState.RUNNING
 
     def action(session: Session) -> tuple[int, dict[str, Any]]:
         ws = workspaces.get_visible(session, principal, workspace_id, for_update=True)
         workspaces.request_state(ws, desired, db.now(session))
-        return 202, workspaces.to_json(ws)
+        body = workspaces.to_json(ws)
+        return 202, workspaces.for_request(body, ws.generation) if resuming else body
 
     response = await asyncio.to_thread(
         idempotent_reply, request, principal, {"desired": str(desired)}, action)
     if wait <= 0 or response.status_code >= 400:
         return response
+    # The restore summary shown must be this request's (its generation), never an
+    # earlier resume's that is still recorded while this one runs.
+    generation = int(json.loads(bytes(response.body))["generation"])
 
     def read() -> tuple[bool, dict[str, Any]]:
         with db.transaction(write=False) as session:
             ws = workspaces.get_visible(session, principal, workspace_id)
-            return workspaces.is_done(ws), workspaces.to_json(ws)
+            body = workspaces.to_json(ws)
+            return workspaces.is_done(ws), (workspaces.for_request(body, generation)
+                                            if resuming else body)
 
     deadline = time.monotonic() + wait
     while True:
