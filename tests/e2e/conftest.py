@@ -77,10 +77,8 @@ def jupyter_server(root: Path, gateway_url: str, gateway_token: str) -> Iterator
     args = [
         sys.executable, "-m", "jupyter_server",
         f"--gateway-url={gateway_url}",
-        f"--GatewayClient.auth_token={gateway_token}",
         "--GatewayClient.auth_scheme=token",
         "--GatewayClient.request_timeout=60",
-        f"--ServerApp.token={token}",
         "--ServerApp.ip=127.0.0.1",
         f"--port={port}",
         "--ServerApp.port_retries=0",
@@ -89,9 +87,13 @@ def jupyter_server(root: Path, gateway_url: str, gateway_token: str) -> Iterator
         "--ServerApp.allow_root=True",
         "--debug",
     ]
+    # Tokens go in the environment, never on the command line (/proc/PID/cmdline is
+    # readable by every local user).
+    env = {**_isolated_env(root), "JUPYTER_TOKEN": token,
+           "JUPYTER_GATEWAY_AUTH_TOKEN": gateway_token}
     with open(log, "wb") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT,
-                                env=_isolated_env(root), start_new_session=True)
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
     server = JupyterServer(f"http://127.0.0.1:{port}", token, log)
     try:
         def up() -> bool:

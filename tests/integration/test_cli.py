@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 from pathlib import Path
 
 import nbformat
+import pytest
 
 from tests.support.cluster import NBFLEET, Cluster, free_port
 
@@ -80,3 +82,29 @@ def test_help_lists_the_commands() -> None:
     assert result.returncode == 0
     for command in ("up", "control", "agent", "ws", "user"):
         assert command in result.stdout
+
+
+@pytest.mark.no_db
+def test_servers_refuse_a_busy_or_invalid_port(tmp_path: Path) -> None:
+    """One line on stderr and status 2, never a traceback, and no state written."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NBFLEET_")}
+    env["COLUMNS"] = "80"  # the line is never wrapped
+    runs = []
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        for command in (("up",), ("control",), ("agent", "--control", "http://127.0.0.1:9")):
+            for value in (port, "70000", "-1", "abc"):
+                home = tmp_path / f"{command[0]}{value}"
+                expected = (f"port {port} on 127.0.0.1 is already in use (pass --port)"
+                            if value == port else
+                            f"--port must be a number from 0 to 65535, not '{value}'")
+                proc = subprocess.Popen([*NBFLEET, *command, "--port", value, "--home", str(home)],
+                                        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True)
+                runs.append((proc, home, expected))
+        for proc, home, expected in runs:
+            out, err = proc.communicate(timeout=120)
+            assert (proc.returncode, err) == (2, f"error: {expected}\n"), (proc.args, out)
+            assert not home.exists()

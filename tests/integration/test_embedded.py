@@ -52,12 +52,25 @@ class Embedded:
         return code
 
 
+PRIVATE_FILES = ("nbfleet.db", "nbfleet.db-wal", "nbfleet.db-shm", "admin-token",
+                 "cluster-secret", "url")
+
+
+def modes(home: Path) -> dict[str, int]:
+    """The modes of the home and of what embedded mode keeps in it."""
+    return {name: stat.S_IMODE(os.stat(home / name).st_mode)
+            for name in (".", "blobs", "agent", *PRIVATE_FILES)}
+
+
+PRIVATE = {".": 0o700, "blobs": 0o700, "agent": 0o700, **dict.fromkeys(PRIVATE_FILES, 0o600)}
+
+
 def test_up_restart_keeps_workspaces_and_files(tmp_path: Path) -> None:
     platform = Embedded(tmp_path / "home")
     platform.start()
     try:
-        mode = stat.S_IMODE(os.stat(platform.home / "admin-token").st_mode)
-        assert mode == 0o600
+        assert modes(platform.home) == PRIVATE  # SQLite's -wal and -shm included
+        assert httpx.get(f"{platform.url}/metrics").status_code == 401
         admin = platform.admin()
         agents = admin.get("/v1/admin/agents").json()["items"]
         assert agents[0]["inventory"]["gpus"] == [{"count": 2, "type": "A100-80GB", "vram_gb": 80}]
@@ -85,7 +98,10 @@ def test_up_restart_keeps_workspaces_and_files(tmp_path: Path) -> None:
         wait_state(admin, ws, "running")
 
         assert platform.interrupt() == 0  # Ctrl-C: a clean exit
+        for name in (".", "blobs", "nbfleet.db", "admin-token", "cluster-secret"):
+            os.chmod(platform.home / name, 0o755 if name in (".", "blobs") else 0o644)
         platform.start()  # same home: same DB, blobs and admin token
+        assert modes(platform.home) == PRIVATE  # what an older version left, tightened
         admin = platform.admin()
         body = wait_state(admin, ws, "running")
         assert body["name"] == "persist"

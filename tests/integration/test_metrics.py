@@ -1,4 +1,4 @@
-"""Prometheus metrics on the control plane and the agent."""
+"""Prometheus metrics on the control plane and the agent, for operators only."""
 
 from __future__ import annotations
 
@@ -23,16 +23,15 @@ def test_control_and_agent_expose_metrics(shared_cluster: Cluster) -> None:
     client.get(f"/v1/workspaces/{ws}")
 
     agent_url = shared_cluster.admin().get("/v1/admin/agents").json()["items"][0]["url"]
-    secret = (shared_cluster.home / "cluster-secret").read_text().strip()
-    agent = samples(httpx.get(f"{agent_url}/agent/v1/metrics",
-                              headers={"Authorization": f"Bearer {secret}"}).text)
+    secret = {"Authorization": f"Bearer {shared_cluster.secret}"}
+    agent = samples(httpx.get(f"{agent_url}/agent/v1/metrics", headers=secret).text)
     assert agent[("nbfleet_agent_kernels", frozenset())] >= 1
     assert agent[("nbfleet_agent_runtimes", frozenset())] >= 1
     assert httpx.get(f"{agent_url}/agent/v1/metrics").status_code == 401
 
     client.post(f"/v1/workspaces/{ws}/suspend")
     wait_state(client, ws, "suspended")
-    control = samples(httpx.get(f"{shared_cluster.url}/metrics").text)
+    control = samples(httpx.get(f"{shared_cluster.url}/metrics", headers=secret).text)
     suspended = frozenset({("from_state", "suspending"), ("to_state", "suspended")})
     assert control[("nbfleet_workspace_transitions_total", suspended)] >= 1
     # Latency is recorded per route template, never per workspace id.
@@ -40,3 +39,23 @@ def test_control_and_agent_expose_metrics(shared_cluster: Cluster) -> None:
                            ("route", "/v1/workspaces/{workspace_id}")})
     assert control[("nbfleet_http_request_duration_seconds_count", get_route)] >= 1
     assert not any(ws in dict(labels).get("route", "") for (_, labels) in control)
+
+
+def test_metrics_need_the_cluster_secret_or_an_admin(shared_cluster: Cluster) -> None:
+    control = f"{shared_cluster.url}/metrics"
+    agent = shared_cluster.admin().get("/v1/admin/agents").json()["items"][0]["url"]
+    for url in (control, f"{agent}/agent/v1/metrics"):
+        for headers in (httpx.Headers(), httpx.Headers({"Authorization": "Bearer nbf_wrong"}),
+                        httpx.Headers({b"Authorization": "Bearer s\u00e9cret".encode("latin-1")})):
+            refused = httpx.get(url, headers=headers)
+            assert refused.status_code == 401, (url, headers, refused.text)
+            assert refused.headers["content-type"] == "application/problem+json"
+            assert "nbfleet_" not in refused.text
+        scraped = httpx.get(url, headers={"Authorization": f"Bearer {shared_cluster.secret}"})
+        assert scraped.status_code == 200 and "nbfleet_http_request_duration_seconds" in \
+            scraped.text
+    assert httpx.get(control, params={"token": shared_cluster.secret}).status_code == 401
+    admin = shared_cluster.admin().get("/metrics")
+    assert admin.status_code == 200 and "nbfleet_" in admin.text
+    user = shared_cluster.new_user(org="metrics", project="p").get("/metrics")
+    assert user.status_code == 404  # as the admin routes: not there for ordinary callers

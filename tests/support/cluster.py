@@ -2,12 +2,15 @@
 
 ``Cluster`` runs ``nbfleet control`` and any number of ``nbfleet agent`` processes
 as subprocesses, so tests can kill -9 them and restart them like an operator would.
+They get the cluster secret as an operator should give it: ``--secret-file``
+naming a 0600 file, never the secret itself on a command line.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -73,11 +76,26 @@ class Cluster:
         return subprocess.Popen(NBFLEET + args, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
 
+    @property
+    def secret_file(self) -> Path:
+        """The cluster secret's file (in the shared home, where tests read it)."""
+        path = self.home / "cluster-secret"
+        if not path.exists():
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as handle:
+                handle.write(secrets.token_urlsafe(32) + "\n")
+        return path
+
+    @property
+    def secret(self) -> str:
+        return self.secret_file.read_text().strip()
+
     def start_control(self, env: dict[str, str] | None = None,
                       args: tuple[str, ...] = ()) -> None:
         self.control = self._spawn("control", [
             "control", "--db", self.db_url, "--blobs", str(self.home / "blobs"),
-            "--port", str(self.port), "--log-level", "info", *args], self._env(env))
+            "--port", str(self.port), "--secret-file", str(self.secret_file),
+            "--log-level", "info", *args], self._env(env))
         wait_until(lambda: httpx.get(f"{self.url}/healthz").status_code == 200, 60,
                    what="control plane health")
 
@@ -89,8 +107,8 @@ class Cluster:
         before = self._boot_ids()
         self.agents[name] = self._spawn(name, [
             "agent", "--control", self.url, "--state-dir", str(self.root / name),
-            "--gpus", gpus or self.gpus, "--warm-pool", str(warm_pool), "--log-level", "info",
-            *args],
+            "--secret-file", str(self.secret_file), "--gpus", gpus or self.gpus,
+            "--warm-pool", str(warm_pool), "--log-level", "info", *args],
             self._env(env))
         agent_id_file = self.root / name / "agent-id"
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 from collections.abc import AsyncIterator
 from typing import Any, Literal
@@ -20,6 +19,7 @@ from nbfleet.agent.statesync import SuspendOptions
 from nbfleet.agent.wire import V1_PROTOCOL, WireError, parse_client_frame
 from nbfleet.model.errors import NotFound, Unauthorized
 from nbfleet.storage.paths import confine
+from nbfleet.web.credentials import is_cluster_secret
 from nbfleet.web.metrics import TimingMiddleware, metrics_response
 from nbfleet.web.problems import bearer_token, deny_websocket, install_problem_handlers
 
@@ -86,7 +86,7 @@ def create_agent_app(service: AgentService) -> FastAPI:
     RUNTIMES.set_function(lambda: len(service.runtimes.runtimes) if service.runtimes else 0)
 
     def authorized(token: str | None) -> bool:
-        return token is not None and hmac.compare_digest(token, service.config.secret)
+        return is_cluster_secret(token, service.config.secret)
 
     def require_secret(request: Request) -> None:
         if not authorized(bearer_token(request.headers.get("authorization"))):

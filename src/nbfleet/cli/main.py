@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -17,6 +17,7 @@ from nbfleet.model.errors import DomainError
 from nbfleet.model.resources import parse_gpu_spec
 
 if TYPE_CHECKING:
+    import socket
     from collections.abc import Callable
 
     from nbfleet.cli.servers import Serving
@@ -92,6 +93,70 @@ JOB_BACKOFF_OPT = typer.Option(2.0, "--job-retry-backoff", min=0,
                                help="Base of the exponential retry backoff, seconds")
 JOB_DISPATCH_OPT = typer.Option(1.0, "--job-dispatch-interval", min=0.01,
                                 help="Seconds between dispatch passes when nothing wakes it")
+SECRET_FILE_OPT = typer.Option(
+    None, "--secret-file", metavar="PATH",
+    help="File holding the cluster secret shared by the control plane and agents (mode "
+         "0600 or stricter); or set NBFLEET_CLUSTER_SECRET  [default: HOME/cluster-secret]")
+
+
+def _port_opt(default: int, help_text: str = "Port to listen on") -> Any:
+    """A port as text, so that a bad one gets the same one-line error as a busy one."""
+    return typer.Option(str(default), "--port", metavar="PORT", help=help_text)
+
+
+def _fail(message: str) -> NoReturn:
+    """One line on stderr and exit status 2, the servers' answer to a bad start."""
+    from rich.markup import escape
+
+    console.print(f"[red]error:[/red] {escape(message)}", soft_wrap=True)
+    raise typer.Exit(2)
+
+
+def _private_process() -> str | None:
+    """First thing in every server command: owner-only file modes from now on, and
+    NBFLEET_CLUSTER_SECRET taken out of the environment (returned), so no kernel,
+    job or other child inherits it."""
+    from nbfleet.cli.cluster_secret import take_from_env
+    from nbfleet.cli.owner_only import restrict_umask
+
+    restrict_umask()
+    return take_from_env()
+
+
+def _listen(host: str, port: str) -> socket.socket:
+    from nbfleet.cli.listen import ListenError, bind, parse_port
+
+    try:
+        return bind(host, parse_port(port))
+    except ListenError as exc:
+        _fail(str(exc))
+
+
+def _explicit_secret(secret_file: str | None, from_env: str | None) -> str | None:
+    from nbfleet.cli.cluster_secret import SecretError, explicit
+
+    try:
+        return explicit(secret_file, from_env)
+    except SecretError as exc:
+        _fail(str(exc))
+
+
+def _private_home(home: Path, create: bool = True) -> None:
+    from nbfleet.cli.owner_only import secure_home
+
+    try:
+        secure_home(home, create)
+    except OSError as exc:
+        _fail(f"cannot use {home} as the state directory: {exc.strerror or exc}")
+
+
+def _home_secret(home: Path, create: bool) -> str:
+    from nbfleet.cli.cluster_secret import SecretError, from_home
+
+    try:
+        return from_home(home, create)
+    except SecretError as exc:
+        _fail(str(exc))
 
 
 def _job_options(tiers: str, prices: str, heartbeat_timeout: float, grace: float,
@@ -146,24 +211,24 @@ def _check_rate_limit_options(rate: str, storage: str) -> None:
         raise typer.Exit(2) from exc
 
 
-def _control(home: Path, db: str | None, blobs: str | None, secret: str | None,
-             host: str, port: int, log_level: str, lifecycle: dict[str, Any]
+def _control(home: Path, db: str | None, blobs: str | None, secret: str,
+             sock: socket.socket, log_level: str, lifecycle: dict[str, Any]
              ) -> tuple[Serving, str, str, Callable[[], Serving]]:
-    """The control plane's server (migrated DB, admin token, bound socket), its URL,
+    """The control plane's server (migrated DB, admin token) on ``sock``, its URL,
     the admin token, and a factory for more servers on the same socket (workers)."""
-    from nbfleet.cli.servers import Serving, _Server, bind, load_or_create_secret, uvicorn_config
+    from nbfleet.cli.listen import url_of
+    from nbfleet.cli.owner_only import secure_sqlite
+    from nbfleet.cli.servers import Serving, _Server, uvicorn_config
     from nbfleet.control.app import create_app
     from nbfleet.control.platform import ControlConfig
     from nbfleet.control.tenancy import ensure_admin, write_secret
 
-    home.mkdir(parents=True, exist_ok=True)
-    secret = secret or load_or_create_secret(home / "cluster-secret")
     config = ControlConfig(db_url=db or sqlite_url(home), blobs_url=blobs or str(home / "blobs"),
                            secret=secret, **lifecycle)
+    secure_sqlite(config.db_url)  # one outside the home, left by an older version
     control_app = create_app(config)
     token = ensure_admin(control_app.state.platform.db, str(home / "admin-token"))
-    sock = bind(host, port)
-    url = f"http://{host}:{sock.getsockname()[1]}"
+    url = url_of(sock)
     write_secret(str(home / "url"), url)
 
     def another() -> Serving:
@@ -186,7 +251,7 @@ def _banner(url: str, token: str, home: Path) -> None:
 def up(
     home: str | None = HOME_OPT,
     host: str = typer.Option("127.0.0.1", help="Address to listen on"),
-    port: int = typer.Option(DEFAULT_PORT, help="Port of the control plane"),
+    port: str = _port_opt(DEFAULT_PORT, "Port of the control plane"),
     gpus: str = typer.Option("4xA100-80GB", help="Virtual GPUs of the embedded agent"),
     sandbox: str = SANDBOX_OPT,
     warm_pool: int = WARM_POOL_OPT,
@@ -209,18 +274,13 @@ def up(
 ) -> None:
     """Run the whole platform on this machine: control plane + one agent, SQLite, local blobs."""
     from nbfleet.agent.service import AgentConfig
-    from nbfleet.cli.servers import (
-        agent_server,
-        configure_logging,
-        load_or_create_secret,
-        serve_all,
-    )
+    from nbfleet.cli.servers import agent_server, configure_logging, serve_all
 
+    _private_process()  # embedded mode keeps its own secret in the home
     configure_logging(log_level)
     _check_agent_options(gpus, sandbox)
     _check_suspend_options(suspend_on_busy)
     _check_rate_limit_options(rate_limit, rate_limit_storage)
-    state = home_dir(home)
     lifecycle = {"idle_suspend_s": idle_suspend, "suspend_on_busy": suspend_on_busy,
                  "suspend_busy_timeout_s": suspend_busy_timeout,
                  "cull_interval_s": cull_interval, "rate_limit": rate_limit,
@@ -229,14 +289,18 @@ def up(
                  **_job_options(job_tiers, gpu_prices, job_heartbeat_timeout, job_kill_grace,
                                 job_result_retention, job_retry_backoff,
                                 job_dispatch_interval)}
-    control, url, token, _ = _control(state, None, None, None, host, port, log_level,
+    control_sock, agent_sock = _listen(host, port), _listen("127.0.0.1", "0")
+    state = home_dir(home)
+    _private_home(state)
+    secret = _home_secret(state, create=True)
+    control, url, token, _ = _control(state, None, None, secret, control_sock, log_level,
                                       lifecycle)
     agent = agent_server(
-        AgentConfig(control_url=url, secret=load_or_create_secret(state / "cluster-secret"),
+        AgentConfig(control_url=url, secret=secret,
                     state_dir=str(state / "agent"), gpus=gpus, sandbox=sandbox,
                     hidden_paths=[str(state)], warm_pool=warm_pool,
                     job_heartbeat_s=job_heartbeat),
-        "127.0.0.1", 0, log_level,
+        agent_sock, log_level,
     )
     _banner(url, token, state)
     asyncio.run(serve_all([control, agent]))
@@ -250,10 +314,9 @@ def control(
     blobs: str | None = typer.Option(None, "--blobs", envvar="NBFLEET_BLOBS",
                                      help="Blob store URL: a directory or s3://bucket/prefix"),
     home: str | None = HOME_OPT,
-    secret: str | None = typer.Option(None, "--secret", envvar="NBFLEET_CLUSTER_SECRET",
-                                      help="Cluster secret shared with agents"),
-    host: str = typer.Option("127.0.0.1"),
-    port: int = typer.Option(DEFAULT_PORT),
+    secret_file: str | None = SECRET_FILE_OPT,
+    host: str = typer.Option("127.0.0.1", help="Address to listen on"),
+    port: str = _port_opt(DEFAULT_PORT),
     idle_suspend: float = IDLE_OPT,
     suspend_on_busy: str = ON_BUSY_OPT,
     suspend_busy_timeout: float = BUSY_TIMEOUT_OPT,
@@ -283,10 +346,10 @@ def control(
         serve_forked,
     )
 
+    from_env = _private_process()
     configure_logging(log_level)
     _check_suspend_options(suspend_on_busy)
     _check_rate_limit_options(rate_limit, rate_limit_storage)
-    state = home_dir(home)
     lifecycle = {"idle_suspend_s": idle_suspend, "suspend_on_busy": suspend_on_busy,
                  "suspend_busy_timeout_s": suspend_busy_timeout,
                  "cull_interval_s": cull_interval, "rate_limit": rate_limit,
@@ -299,7 +362,12 @@ def control(
         console.print("[red]error:[/red] --workers above 1 needs PostgreSQL (--db "
                       "postgresql://...): SQLite has one writer")
         raise typer.Exit(2)
-    serving, url, token, another = _control(state, db, blobs, secret, host, port, log_level,
+    given = _explicit_secret(secret_file, from_env)
+    sock = _listen(host, port)
+    state = home_dir(home)
+    _private_home(state)
+    secret = given or _home_secret(state, create=True)
+    serving, url, token, another = _control(state, db, blobs, secret, sock, log_level,
                                             lifecycle)
     _banner(url, token, state)
     if workers == 1:
@@ -313,12 +381,12 @@ def control(
 def agent(
     control_url: str = typer.Option(..., "--control", envvar="NBFLEET_CONTROL_URL",
                                     help="Control plane URL"),
-    secret: str | None = typer.Option(None, "--secret", envvar="NBFLEET_CLUSTER_SECRET"),
+    secret_file: str | None = SECRET_FILE_OPT,
     home: str | None = HOME_OPT,
     state_dir: str | None = typer.Option(None, "--state-dir", help="[default: HOME/agent]"),
     gpus: str = typer.Option("", help="Virtual GPUs, e.g. 4xA100-80GB,2xH100-80GB"),
-    host: str = typer.Option("127.0.0.1"),
-    port: int = typer.Option(0, help="0 picks a free port"),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on"),
+    port: str = _port_opt(0, "Port to listen on (0 picks a free one)"),
     sandbox: str = SANDBOX_OPT,
     warm_pool: int = WARM_POOL_OPT,
     job_heartbeat: float = JOB_HEARTBEAT_OPT,
@@ -328,26 +396,25 @@ def agent(
     from nbfleet.agent.service import AgentConfig
     from nbfleet.cli.servers import agent_server, configure_logging, serve_all
 
+    from_env = _private_process()
     configure_logging(log_level)
     _check_agent_options(gpus, sandbox)
+    given = _explicit_secret(secret_file, from_env)
+    sock = _listen(host, port)
     state = home_dir(home)
-    secret = secret or _read_secret(state / "cluster-secret")
+    _private_home(state, create=False)  # the control plane's, in a shared home
+    if state_dir:
+        _private_home(Path(state_dir), create=False)
+    secret = given or _home_secret(state, create=False)
     release_delay = float(os.environ.get("NBFLEET_FAULT_RELEASE_DELAY_S", "0"))
     serving = agent_server(
         AgentConfig(control_url=control_url.rstrip("/"), secret=secret,
                     state_dir=state_dir or str(state / "agent"), gpus=gpus,
                     release_delay_s=release_delay, sandbox=sandbox, hidden_paths=[str(state)],
                     warm_pool=warm_pool, job_heartbeat_s=job_heartbeat),
-        host, port, log_level,
+        sock, log_level,
     )
     asyncio.run(serve_all([serving]))
-
-
-def _read_secret(path: Path) -> str:
-    if not path.exists():
-        console.print(f"[red]error:[/red] no --secret given and {path} does not exist")
-        raise typer.Exit(2)
-    return path.read_text().strip()
 
 
 if __name__ == "__main__":

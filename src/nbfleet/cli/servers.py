@@ -6,13 +6,11 @@ import asyncio
 import contextlib
 import logging
 import os
-import secrets
 import signal
 import socket
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, cast
 
 import uvicorn
@@ -20,7 +18,7 @@ from fastapi import FastAPI
 
 from nbfleet.agent.app import create_agent_app
 from nbfleet.agent.service import AgentConfig, AgentService
-from nbfleet.control.tenancy import write_secret
+from nbfleet.cli.listen import url_of
 
 
 class _Server(uvicorn.Server):
@@ -42,32 +40,15 @@ def uvicorn_config(app: FastAPI, log_level: str, **kwargs: object) -> uvicorn.Co
     )
 
 
-def bind(host: str, port: int) -> socket.socket:
-    # IPPROTO_TCP must be explicit: asyncio only disables Nagle's algorithm on accepted
-    # sockets whose proto says TCP, and with Nagle every cell paid a 40 ms delayed ACK.
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.set_inheritable(True)
-    return sock
-
-
-def load_or_create_secret(path: Path) -> str:
-    if path.exists():
-        return path.read_text().strip()
-    value = secrets.token_urlsafe(32)
-    write_secret(str(path), value)
-    return value
-
-
 @dataclass
 class Serving:
     server: uvicorn.Server
     sock: socket.socket
 
 
-def agent_server(config: AgentConfig, host: str, port: int, log_level: str) -> Serving:
-    """Build the agent's server; exits with a message if its sandbox cannot run."""
+def agent_server(config: AgentConfig, sock: socket.socket, log_level: str) -> Serving:
+    """Build the agent's server on ``sock``; exits with a message if its sandbox
+    cannot run."""
     import typer
     from rich.console import Console
 
@@ -78,10 +59,8 @@ def agent_server(config: AgentConfig, host: str, port: int, log_level: str) -> S
     except SandboxUnavailable as exc:
         Console(stderr=True).print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from exc
-    sock = bind(host, port)
-    bound_host, bound_port = sock.getsockname()[:2]
     if not config.advertise_url:
-        config.advertise_url = f"http://{bound_host}:{bound_port}"
+        config.advertise_url = url_of(sock)
     app = create_agent_app(service)
     return Serving(_Server(uvicorn_config(app, log_level)), sock)
 

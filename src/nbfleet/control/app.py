@@ -6,11 +6,12 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
-from fastapi import FastAPI, Response
+from fastapi import Depends, FastAPI, Response
 
 from nbfleet import __version__
 from nbfleet.control import credit_reaper, culler, housekeeping, job_dispatcher, leases
 from nbfleet.control.job_intake import JobIntake
+from nbfleet.control.operators import require_operator
 from nbfleet.control.platform import ControlConfig, Platform
 from nbfleet.control.reconciler import LEASE, Reconciler
 from nbfleet.control.routers import (
@@ -81,7 +82,9 @@ def create_app(config: ControlConfig, run_reconciler: bool = True) -> FastAPI:
     async def healthz() -> dict[str, str]:  # no I/O: no worker-thread hop
         return {"status": "ok", "version": __version__}
 
-    @app.get("/metrics", tags=["ops"], summary="Prometheus metrics")
+    @app.get("/metrics", tags=["ops"], summary="Prometheus metrics",
+             description="Bearer the cluster secret or an admin token.",
+             dependencies=[Depends(require_operator)])
     def metrics() -> Response:
         return metrics_response()
 
