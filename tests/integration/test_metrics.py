@@ -59,3 +59,12 @@ def test_metrics_need_the_cluster_secret_or_an_admin(shared_cluster: Cluster) ->
     assert admin.status_code == 200 and "nbfleet_" in admin.text
     user = shared_cluster.new_user(org="metrics", project="p").get("/metrics")
     assert user.status_code == 404  # as the admin routes: not there for ordinary callers
+
+
+def test_internal_routes_refuse_a_non_ascii_token_cleanly(shared_cluster: Cluster) -> None:
+    """A header byte above 127 once made the secret comparison raise (a 500)."""
+    odd = httpx.Headers({b"Authorization": "Bearer s\u00e9cret".encode("latin-1")})
+    for method, path in (("POST", "/internal/agents"), ("POST", "/v1/credits/usage")):
+        answer = httpx.request(method, f"{shared_cluster.url}{path}", headers=odd, json={})
+        assert answer.status_code in (401, 404), (path, answer.status_code, answer.text)
+        assert answer.headers["content-type"] == "application/problem+json"

@@ -51,8 +51,12 @@ def wait_until(predicate: Callable[[], Any], timeout: float = 30.0, interval: fl
 
 
 class Cluster:
-    def __init__(self, root: Path, db_url: str, gpus: str = "2xA100-80GB") -> None:
+    def __init__(self, root: Path, db_url: str, gpus: str = "2xA100-80GB",
+                 run_as: tuple[int, int] | None = None) -> None:
+        """``run_as`` (uid, gid) runs every process as that unprivileged user; its
+        ``root`` must be a directory that user can reach."""
         self.root = root
+        self.run_as = run_as
         self.home = root / "home"
         self.home.mkdir(parents=True, exist_ok=True)
         self.db_url = db_url
@@ -63,18 +67,28 @@ class Cluster:
         self.agents: dict[str, subprocess.Popen[bytes]] = {}
         self.logs = root / "logs"
         self.logs.mkdir(exist_ok=True)
+        if run_as is not None:
+            for path in (root, self.home, self.logs):
+                os.chown(path, *run_as)
 
     # ------------------------------------------------------------- processes
     def _env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("NBFLEET_")}
         env["NBFLEET_HOME"] = str(self.home)
+        if self.run_as is not None:
+            env["HOME"] = str(self.root)  # jupyter's own paths, for a user with none
         env.update(extra or {})
         return env
 
     def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
         log = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115 (lives with the process)
+        if self.run_as is None:
+            return subprocess.Popen(NBFLEET + args, stdout=log, stderr=subprocess.STDOUT,
+                                    env=env, start_new_session=True)
+        uid, gid = self.run_as
         return subprocess.Popen(NBFLEET + args, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+                                start_new_session=True, user=uid, group=gid, extra_groups=[],
+                                cwd=self.root)
 
     @property
     def secret_file(self) -> Path:
@@ -84,6 +98,8 @@ class Cluster:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as handle:
                 handle.write(secrets.token_urlsafe(32) + "\n")
+            if self.run_as is not None:
+                os.chown(path, *self.run_as)
         return path
 
     @property
@@ -105,6 +121,10 @@ class Cluster:
         """Agents start without a warm pool unless asked: each warm kernel costs a
         kernel start, and most tests do not resume."""
         before = self._boot_ids()
+        if "--workspace-disk" not in args:
+            # Each quota reserves its whole size on the host's disk: tests that do not
+            # exercise quotas (tests/security and test_quotas do) turn them off.
+            args = (*args, "--workspace-disk", "0")
         self.agents[name] = self._spawn(name, [
             "agent", "--control", self.url, "--state-dir", str(self.root / name),
             "--secret-file", str(self.secret_file), "--gpus", gpus or self.gpus,

@@ -13,6 +13,14 @@ from rich.panel import Panel
 
 from nbfleet.cli import credit, job, sim, users, ws
 from nbfleet.cli.home import DEFAULT_PORT, home_dir, sqlite_url
+from nbfleet.cli.isolation import (
+    CGROUP_PARENT_OPT,
+    KERNEL_CPUS_OPT,
+    KERNEL_MEMORY_OPT,
+    KERNEL_PIDS_OPT,
+    WORKSPACE_DISK_OPT,
+    limits_from,
+)
 from nbfleet.model.errors import DomainError
 from nbfleet.model.resources import parse_gpu_spec
 
@@ -254,6 +262,11 @@ def up(
     port: str = _port_opt(DEFAULT_PORT, "Port of the control plane"),
     gpus: str = typer.Option("4xA100-80GB", help="Virtual GPUs of the embedded agent"),
     sandbox: str = SANDBOX_OPT,
+    kernel_memory: str = KERNEL_MEMORY_OPT,
+    kernel_cpus: str = KERNEL_CPUS_OPT,
+    kernel_pids: str = KERNEL_PIDS_OPT,
+    workspace_disk: str = WORKSPACE_DISK_OPT,
+    cgroup_parent: str | None = CGROUP_PARENT_OPT,
     warm_pool: int = WARM_POOL_OPT,
     idle_suspend: float = IDLE_OPT,
     suspend_on_busy: str = ON_BUSY_OPT,
@@ -279,6 +292,7 @@ def up(
     _private_process()  # embedded mode keeps its own secret in the home
     configure_logging(log_level)
     _check_agent_options(gpus, sandbox)
+    limits = limits_from(kernel_memory, kernel_cpus, kernel_pids, workspace_disk)
     _check_suspend_options(suspend_on_busy)
     _check_rate_limit_options(rate_limit, rate_limit_storage)
     lifecycle = {"idle_suspend_s": idle_suspend, "suspend_on_busy": suspend_on_busy,
@@ -299,7 +313,8 @@ def up(
         AgentConfig(control_url=url, secret=secret,
                     state_dir=str(state / "agent"), gpus=gpus, sandbox=sandbox,
                     hidden_paths=[str(state)], warm_pool=warm_pool,
-                    job_heartbeat_s=job_heartbeat),
+                    job_heartbeat_s=job_heartbeat, limits=limits,
+                    cgroup_parent=cgroup_parent),
         agent_sock, log_level,
     )
     _banner(url, token, state)
@@ -388,6 +403,11 @@ def agent(
     host: str = typer.Option("127.0.0.1", help="Address to listen on"),
     port: str = _port_opt(0, "Port to listen on (0 picks a free one)"),
     sandbox: str = SANDBOX_OPT,
+    kernel_memory: str = KERNEL_MEMORY_OPT,
+    kernel_cpus: str = KERNEL_CPUS_OPT,
+    kernel_pids: str = KERNEL_PIDS_OPT,
+    workspace_disk: str = WORKSPACE_DISK_OPT,
+    cgroup_parent: str | None = CGROUP_PARENT_OPT,
     warm_pool: int = WARM_POOL_OPT,
     job_heartbeat: float = JOB_HEARTBEAT_OPT,
     log_level: str = LOG_OPT,
@@ -399,6 +419,7 @@ def agent(
     from_env = _private_process()
     configure_logging(log_level)
     _check_agent_options(gpus, sandbox)
+    limits = limits_from(kernel_memory, kernel_cpus, kernel_pids, workspace_disk)
     given = _explicit_secret(secret_file, from_env)
     sock = _listen(host, port)
     state = home_dir(home)
@@ -411,7 +432,8 @@ def agent(
         AgentConfig(control_url=control_url.rstrip("/"), secret=secret,
                     state_dir=state_dir or str(state / "agent"), gpus=gpus,
                     release_delay_s=release_delay, sandbox=sandbox, hidden_paths=[str(state)],
-                    warm_pool=warm_pool, job_heartbeat_s=job_heartbeat),
+                    warm_pool=warm_pool, job_heartbeat_s=job_heartbeat, limits=limits,
+                    cgroup_parent=cgroup_parent),
         sock, log_level,
     )
     asyncio.run(serve_all([serving]))

@@ -53,12 +53,14 @@ def agent_server(config: AgentConfig, sock: socket.socket, log_level: str) -> Se
     from rich.console import Console
 
     from nbfleet.agent.sandbox import SandboxUnavailable
+    from nbfleet.cli.isolation import print_protections
 
     try:
         service = AgentService(config)
     except SandboxUnavailable as exc:
         Console(stderr=True).print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from exc
+    print_protections(service.isolation)
     if not config.advertise_url:
         config.advertise_url = url_of(sock)
     app = create_agent_app(service)

@@ -25,7 +25,7 @@ from sqlalchemy.orm import Session
 from nbfleet.control import hosts, leases
 from nbfleet.control.platform import Platform
 from nbfleet.control.workspaces import transition
-from nbfleet.db.tables import Kernel, Workspace
+from nbfleet.db.tables import Kernel, Project, Workspace
 from nbfleet.model.errors import DomainError, NotFound, SuspendFailed
 from nbfleet.model.workspace import (
     Action,
@@ -63,6 +63,8 @@ class Work:
     host_url: str | None
     kernels: tuple[tuple[str, str], ...]
     snapshot: dict[str, Any] | None
+    #: The project's own kernel limits (None: the agent's defaults).
+    limits: dict[str, Any] | None = None
 
 
 class Reconciler:
@@ -186,8 +188,12 @@ class Reconciler:
                     select(Kernel).where(Kernel.workspace_id == ws.id).order_by(Kernel.created_at)
                 ).scalars()
             )
+            limits = None
+            if step.action is Action.PLACE:
+                project = session.get(Project, ws.project_id)
+                limits = project.kernel_limits if project is not None else None
             return Work(ws.id, step, ws.generation, WorkspaceState(ws.state),
-                        host.url if host else None, kernels, ws.snapshot)
+                        host.url if host else None, kernels, ws.snapshot, limits)
 
     def _finish(self, work: Work, result: Any) -> bool:
         """Settle the step; True if the workspace still has work to do."""
@@ -244,6 +250,7 @@ class Reconciler:
             return await agents.ensure_runtime(
                 work.host_url, work.workspace_id, work.generation,
                 [{"id": kid, "name": name} for kid, name in work.kernels], work.snapshot,
+                work.limits,
             )
         result: Any = None
         if work.host_url is not None:

@@ -14,7 +14,6 @@ ordinary users get 404. Idempotency:
 
 from __future__ import annotations
 
-import hmac
 import json
 from typing import Any, Literal
 
@@ -33,6 +32,7 @@ from nbfleet.ledger import audit, holds, metering, wallets
 from nbfleet.ledger.metering import NEEDS_EXTENSION, UsageOutcome, UsageReport
 from nbfleet.model.credits import MAX_AMOUNT
 from nbfleet.model.errors import NotFound
+from nbfleet.web.credentials import is_cluster_secret
 from nbfleet.web.metrics import CREDIT_DECISIONS
 from nbfleet.web.problems import bearer_token
 
@@ -42,8 +42,8 @@ INTERNAL = Principal("internal", "", "", is_admin=False)
 
 def require_internal(request: Request) -> Principal:
     """The cluster secret, or an admin; anyone else finds no such routes."""
-    token = bearer_token(request.headers.get("authorization")) or ""
-    if token and hmac.compare_digest(token, platform_of(request).config.secret):
+    token = bearer_token(request.headers.get("authorization"))
+    if is_cluster_secret(token, platform_of(request).config.secret):
         return INTERNAL
     principal = current_principal(request)
     if not principal.is_admin:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
 import random
 from typing import Any
 
@@ -13,12 +12,13 @@ from nbfleet.control import hosts
 from nbfleet.control.deps import platform_of
 from nbfleet.jobs import attempts
 from nbfleet.model.errors import Unauthorized
+from nbfleet.web.credentials import is_cluster_secret
 from nbfleet.web.problems import bearer_token
 
 
 def require_cluster_secret(request: Request) -> None:
-    token = bearer_token(request.headers.get("authorization")) or ""
-    if not hmac.compare_digest(token, platform_of(request).config.secret):
+    token = bearer_token(request.headers.get("authorization"))
+    if not is_cluster_secret(token, platform_of(request).config.secret):
         raise Unauthorized("internal calls need the cluster secret")
 
 
