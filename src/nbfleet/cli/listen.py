@@ -37,6 +37,10 @@ def bind(host: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
+        # Listening at once: a connection that arrives while the server is still
+        # starting (the control plane placing a workspace on an agent that has just
+        # registered) waits in the backlog instead of being refused.
+        sock.listen(2048)
     except OSError as exc:
         sock.close()
         raise ListenError(_explain(exc, host, port)) from None
