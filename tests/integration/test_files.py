@@ -94,3 +94,47 @@ def test_missing_file_is_404(owner) -> None:  # type: ignore[no-untyped-def]
     client, ws = owner
     assert client.get(f"/v1/workspaces/{ws}/files/nope.txt").status_code == 404
     assert client.delete(f"/v1/workspaces/{ws}/files/nope.txt").status_code == 404
+
+
+def test_a_file_cannot_be_a_directory(owner) -> None:  # type: ignore[no-untyped-def]
+    client, ws = owner
+    base = f"/v1/workspaces/{ws}/files"
+    assert client.put(f"{base}/ok.txt", content=b"a file").status_code == 200
+    for path in ("ok.txt/child.txt", "ok.txt/deeper/child.txt"):
+        response = client.put(f"{base}/{path}", content=b"x")
+        assert response.status_code == 409, response.text
+        assert response.headers["content-type"] == "application/problem+json"
+        assert response.json()["detail"] == f"{path}: a parent of this path is a file"
+        assert client.get(f"{base}/{path}").status_code == 404
+        assert client.delete(f"{base}/{path}").status_code == 404
+    assert client.put(f"{base}/dir/inner.txt", content=b"inner").status_code == 200
+    response = client.put(f"{base}/dir", content=b"x")
+    assert response.status_code == 409
+    assert response.json()["detail"] == "dir: a directory of this name exists"
+    assert client.get(f"{base}/dir").status_code == 404
+    assert client.get(f"{base}/ok.txt").content == b"a file"
+
+
+def test_names_longer_than_the_filesystem_allows_are_422(owner) -> None:  # type: ignore[no-untyped-def]
+    client, ws = owner
+    base = f"/v1/workspaces/{ws}/files"
+    longest = "x" * 255
+    assert client.put(f"{base}/{longest}", content=b"ok").status_code == 200
+    assert client.get(f"{base}/{longest}").content == b"ok"
+    for path in ("x" * 256, "dir/" + "é" * 128 + "/f.txt"):
+        for method in ("PUT", "GET", "DELETE"):
+            response = client.request(method, f"{base}/{path}",
+                                      content=b"x" if method == "PUT" else None)
+            assert response.status_code == 422, (method, response.text)
+            assert response.headers["content-type"] == "application/problem+json"
+            assert "at most 255 bytes" in response.json()["detail"]
+
+
+def test_a_colon_is_an_ordinary_character(owner) -> None:  # type: ignore[no-untyped-def]
+    client, ws = owner
+    base = f"/v1/workspaces/{ws}/files"
+    for path in ("a:b", "C:/notes.txt"):
+        response = client.put(f"{base}/{path}", content=path.encode())
+        assert response.status_code == 200, response.text
+        assert response.json()["path"] == path
+        assert client.get(f"{base}/{path}").content == path.encode()

@@ -82,6 +82,10 @@ def test_a_tampered_or_expired_result_url_is_refused(jobs: Cluster, alice: Tenan
     assert get().status_code == 200
     assert get(expires=str(int(query["expires"]) + 3600)).status_code == 403
     assert get(signature="0" * 64).status_code == 403
+    for garbage in ("é" * 64, "\u0000", "🎉", ""):  # not ASCII hex: 403, never a 500
+        refused = get(signature=garbage)
+        assert refused.status_code == 403, refused.text
+        assert refused.headers["content-type"] == "application/problem+json"
     assert get(base.replace("video.mp4", "other.mp4")).status_code == 403
     assert get(base.replace("/1/", "/2/")).status_code == 403
     past = int(time.time()) - 1

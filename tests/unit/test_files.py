@@ -8,9 +8,9 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from nbfleet.model.errors import InvalidInput, NotFound
+from nbfleet.model.errors import Conflict, ContentTooLarge, InvalidInput, NotFound
 from nbfleet.storage import files as files_module
-from nbfleet.storage.blobs import BlobStore
+from nbfleet.storage.blobs import STAGING, BlobStore
 from nbfleet.storage.files import WorkspaceFiles, files_prefix
 
 WS = "ws_01"
@@ -94,10 +94,120 @@ def test_other_files_are_not_validated(files: WorkspaceFiles) -> None:
 def test_oversized_file_is_refused(files: WorkspaceFiles, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(files_module, "MAX_FILE_BYTES", 10)
     files.put(WS, "ok.bin", b"x" * 10)
-    with pytest.raises(InvalidInput, match="larger"):
+    with pytest.raises(ContentTooLarge, match="larger") as info:
         files.put(WS, "big.bin", b"x" * 11)
+    assert info.value.status == 413
     with pytest.raises(NotFound):
         files.get(WS, "big.bin")
+
+
+def _staged(files: WorkspaceFiles) -> list[str]:
+    staging = Path(files.blobs.root) / STAGING
+    return sorted(p.name for p in staging.iterdir()) if staging.exists() else []
+
+
+def test_upload_in_pieces_becomes_the_file(files: WorkspaceFiles) -> None:
+    with files.upload(WS, "dir/data.bin") as upload:
+        for piece in (b"abc", b"", b"defg"):
+            upload.write(piece)
+        assert files.commit(WS, "dir/data.bin", upload) == "dir/data.bin"
+        # The upload still reads what it wrote, after the rename into place.
+        assert upload.read_chunk(0) == b"abcdefg"
+        assert upload.read_chunk(3, 2) == b"de"
+    assert files.get(WS, "dir/data.bin") == b"abcdefg"
+    assert _staged(files) == []
+
+
+def test_upload_past_the_limit_is_refused_and_leaves_nothing(
+        files: WorkspaceFiles, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(files_module, "MAX_FILE_BYTES", 10)
+    files.put(WS, "big.bin", b"old")
+    with files.upload(WS, "new/dir/big.bin") as upload:
+        upload.write(b"x" * 6)
+        with pytest.raises(ContentTooLarge) as info:
+            upload.write(b"x" * 5)
+        assert info.value.status == 413
+    with files.upload(WS, "big.bin") as upload, pytest.raises(ContentTooLarge):
+        upload.write(b"y" * 11)
+    assert _staged(files) == []
+    assert [blob.key for blob in files.list(WS)] == ["big.bin"]
+    assert files.get(WS, "big.bin") == b"old"
+    # Not even the directory of the refused file was made.
+    assert not (Path(files.blobs.root) / files_prefix(WS) / "new").exists()
+
+
+def test_an_upload_closed_before_commit_leaves_nothing(files: WorkspaceFiles) -> None:
+    with files.upload(WS, "gone.txt") as upload:
+        upload.write(b"half")
+    assert _staged(files) == []
+    with pytest.raises(NotFound):
+        files.get(WS, "gone.txt")
+
+
+def test_uploaded_notebooks_are_validated(files: WorkspaceFiles) -> None:
+    good = _notebook("x = 1")
+    files.put(WS, "keep.ipynb", good)
+    with files.upload(WS, "keep.ipynb") as upload:
+        upload.write(b"{not a notebook")
+        with pytest.raises(InvalidInput, match="not a valid notebook"):
+            files.commit(WS, "keep.ipynb", upload)
+    assert files.get(WS, "keep.ipynb") == good
+    assert _staged(files) == []
+
+
+def test_upload_refuses_a_bad_path_before_reading(files: WorkspaceFiles) -> None:
+    with pytest.raises(InvalidInput):
+        files.upload(WS, "../escape")
+    assert _staged(files) == []
+
+
+def test_a_file_cannot_be_the_parent_of_another(files: WorkspaceFiles) -> None:
+    files.put(WS, "ok.txt", b"a file")
+    for path in ("ok.txt/child.txt", "ok.txt/deeper/child.txt"):
+        with pytest.raises(Conflict, match="parent of this path is a file") as info:
+            files.put(WS, path, b"x")
+        assert info.value.status == 409
+        assert info.value.detail.startswith(f"{path}:")  # the workspace's path, not a key
+        with files.upload(WS, path) as upload:
+            upload.write(b"x")
+            with pytest.raises(Conflict):
+                files.commit(WS, path, upload)
+        with pytest.raises(NotFound):
+            files.get(WS, path)
+    assert files.get(WS, "ok.txt") == b"a file"
+    assert _staged(files) == []
+
+
+def test_a_directory_cannot_be_overwritten_by_a_file(files: WorkspaceFiles) -> None:
+    files.put(WS, "dir/inner.txt", b"inner")
+    with pytest.raises(Conflict, match="a directory of this name exists"):
+        files.put(WS, "dir", b"x")
+    with files.upload(WS, "dir") as upload:
+        upload.write(b"x")
+        with pytest.raises(Conflict):
+            files.commit(WS, "dir", upload)
+    assert files.get(WS, "dir/inner.txt") == b"inner"
+    assert [blob.key for blob in files.list(WS)] == ["dir/inner.txt"]
+    with pytest.raises(NotFound):
+        files.get(WS, "dir")
+    assert _staged(files) == []
+
+
+def test_names_longer_than_the_filesystem_allows_are_refused(files: WorkspaceFiles) -> None:
+    files.put(WS, "x" * 255, b"longest name")
+    assert files.get(WS, "x" * 255) == b"longest name"
+    for path in ("x" * 256, "dir/" + "é" * 128):
+        with pytest.raises(InvalidInput, match="at most 255 bytes"):
+            files.put(WS, path, b"x")
+        with pytest.raises(InvalidInput):
+            files.get(WS, path)
+
+
+def test_colons_are_ordinary_characters(files: WorkspaceFiles) -> None:
+    files.put(WS, "a:b", b"colon")
+    files.put(WS, "C:/x.txt", b"drive-like")
+    assert files.get(WS, "a:b") == b"colon"
+    assert sorted(blob.key for blob in files.list(WS)) == ["C:/x.txt", "a:b"]
 
 
 @pytest.mark.parametrize("path", ["../escape", "/etc/passwd", "a/../../b", "a//b", "a\\b", ""])

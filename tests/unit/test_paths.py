@@ -9,7 +9,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from nbfleet.model.errors import InvalidInput
-from nbfleet.storage.paths import MAX_PATH_LENGTH, confine
+from nbfleet.storage.paths import MAX_PATH_LENGTH, MAX_SEGMENT_BYTES, confine
 
 
 @pytest.mark.parametrize(
@@ -30,14 +30,17 @@ from nbfleet.storage.paths import MAX_PATH_LENGTH, confine
         "a/./b",
         "a\\b",
         "..\\..\\windows",
-        "C:/Windows",
-        "c:x",
+        "C:\\Windows",
         "a\x00b",
         "a\nb",
         "tab\there",
         "esc\x1b",
         "del\x7f",
         "x" * (MAX_PATH_LENGTH + 1),
+        "x" * (MAX_SEGMENT_BYTES + 1),
+        "dir/" + "x" * (MAX_SEGMENT_BYTES + 1) + "/f.txt",
+        "é" * 128,  # 256 bytes in UTF-8, though 128 characters
+        "lone \udc80 surrogate",
     ],
 )
 def test_refuses(raw: str) -> None:
@@ -58,11 +61,24 @@ def test_refuses(raw: str) -> None:
         "données/résumé.ipynb",
         "日本語/ノート.ipynb",
         "party 🎉.txt",
-        "x" * MAX_PATH_LENGTH,
+        # Exactly MAX_PATH_LENGTH characters, in segments of at most 255 bytes.
+        "/".join(["x" * MAX_SEGMENT_BYTES] * 3 + ["x" * (MAX_SEGMENT_BYTES - 1), "y"]),
+        "é" * 127,  # 254 bytes
+        # Only a leading "/" is absolute on POSIX; a colon is an ordinary character.
+        "a:b",
+        "c:x",
+        "C:/Windows",
+        "notes/12:30 meeting.txt",
     ],
 )
 def test_accepts_and_returns_unchanged(raw: str) -> None:
+    assert len(raw) <= MAX_PATH_LENGTH
     assert confine(raw) == raw
+
+
+def test_long_segment_error_says_why() -> None:
+    with pytest.raises(InvalidInput, match="at most 255 bytes"):
+        confine("ok/" + "ü" * 200)
 
 
 def test_error_carries_the_path() -> None:

@@ -18,8 +18,11 @@ from nbfleet.agent.service import AgentService
 from nbfleet.agent.statesync import SuspendOptions
 from nbfleet.agent.wire import V1_PROTOCOL, WireError, parse_client_frame
 from nbfleet.model.errors import NotFound, Unauthorized
+from nbfleet.storage.files import MAX_FILE_BYTES
 from nbfleet.storage.paths import confine
+from nbfleet.web.bodies import read_bounded
 from nbfleet.web.credentials import is_cluster_secret
+from nbfleet.web.limits import BodyLimit, BodyLimitMiddleware
 from nbfleet.web.metrics import TimingMiddleware, metrics_response
 from nbfleet.web.problems import bearer_token, deny_websocket, install_problem_handlers
 
@@ -80,6 +83,8 @@ def create_agent_app(service: AgentService) -> FastAPI:
             yield
 
     app = FastAPI(title="nbfleet agent", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.add_middleware(BodyLimitMiddleware, rules=(
+        BodyLimit("PUT", r"/agent/v1/runtimes/[^/]+/files/.+", MAX_FILE_BYTES),))
     app.add_middleware(TimingMiddleware, name="agent")
     install_problem_handlers(app)
     KERNELS.set_function(lambda: len(service.runtimes.kernels) if service.runtimes else 0)
@@ -131,7 +136,11 @@ def create_agent_app(service: AgentService) -> FastAPI:
 
     @api.put("/runtimes/{workspace_id}/files/{path:path}", status_code=204)
     async def put_file(workspace_id: str, path: str, request: Request) -> None:
-        await service.manager.write_file(workspace_id, confine(path), await request.body())
+        """The runtime's copy needs the bytes in memory; they are bounded as they
+        arrive (413 past the file size limit), never read whole first."""
+        clean = confine(path)
+        data = await read_bounded(request.stream(), MAX_FILE_BYTES, clean)
+        await service.manager.write_file(workspace_id, clean, data)
 
     @api.delete("/runtimes/{workspace_id}/files/{path:path}", status_code=204)
     async def delete_file(workspace_id: str, path: str) -> None:

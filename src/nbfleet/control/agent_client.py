@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterable
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 
@@ -37,8 +39,11 @@ class AgentClient:
 
     async def ensure_runtime(self, base: str, workspace_id: str, generation: int,
                              kernels: list[dict[str, str]],
-                             snapshot: dict[str, Any] | None = None) -> Any:
+                             snapshot: dict[str, Any] | None = None,
+                             limits: dict[str, Any] | None = None) -> Any:
         body: dict[str, Any] = {"generation": generation, "kernels": kernels}
+        if limits:
+            body["limits"] = limits
         if snapshot:
             body["snapshot"] = {kid: k["key"] for kid, k in snapshot.get("kernels", {}).items()}
             body["packages"] = snapshot.get("packages")
@@ -79,12 +84,15 @@ class AgentClient:
         )
         return result
 
-    async def put_file(self, base: str, workspace_id: str, path: str, data: bytes) -> None:
-        await self._call("PUT", f"{base}/agent/v1/runtimes/{workspace_id}/files/{path}",
-                         content=data)
+    async def put_file(self, base: str, workspace_id: str, path: str,
+                       content: bytes | AsyncIterable[bytes], size: int | None = None) -> None:
+        """``content`` may stream (then ``size``, when known, is sent as its length)."""
+        headers = {"Content-Length": str(size)} if size is not None else {}
+        await self._call("PUT", _file_url(base, workspace_id, path), content=content,
+                         headers=headers)
 
     async def delete_file(self, base: str, workspace_id: str, path: str) -> None:
-        await self._call("DELETE", f"{base}/agent/v1/runtimes/{workspace_id}/files/{path}")
+        await self._call("DELETE", _file_url(base, workspace_id, path))
 
     async def start_job(self, base: str, body: dict[str, Any]) -> dict[str, Any]:
         result: dict[str, Any] = await self._call("POST", f"{base}/agent/v1/jobs", json=body)
@@ -101,6 +109,12 @@ class AgentClient:
 
     async def aclose(self) -> None:
         await self.http.aclose()
+
+
+def _file_url(base: str, workspace_id: str, path: str) -> str:
+    """Quoted: a file may be named ``a?b`` or ``100%``, which must reach the agent as
+    that name, not as a query or an escape."""
+    return f"{base}/agent/v1/runtimes/{workspace_id}/files/{quote(path, safe='/')}"
 
 
 def _body(response: httpx.Response) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from fastapi import Depends, FastAPI, Response
 
 from nbfleet import __version__
 from nbfleet.control import credit_reaper, culler, housekeeping, job_dispatcher, leases
+from nbfleet.control.data_errors import install_data_error_handler
 from nbfleet.control.job_intake import JobIntake
 from nbfleet.control.operators import require_operator
 from nbfleet.control.platform import ControlConfig, Platform
@@ -27,9 +28,18 @@ from nbfleet.control.routers import (
     workspaces,
 )
 from nbfleet.db.migrate import upgrade
+from nbfleet.storage.files import MAX_FILE_BYTES
+from nbfleet.web.limits import BodyLimit, BodyLimitMiddleware
 from nbfleet.web.metrics import TimingMiddleware, metrics_response
 from nbfleet.web.problems import install_problem_handlers
 from nbfleet.web.ratelimit import RateLimitMiddleware, rate_limit, token_key
+
+#: Request body bounds beyond the 1 MiB every other route gets: a file's content,
+#: and agents' reports (a job heartbeat may list up to 10,000 attempts).
+BODY_LIMITS = (
+    BodyLimit("PUT", r"/v1/workspaces/[^/]+/files/.+", MAX_FILE_BYTES),
+    BodyLimit("*", r"/internal/.*", 8 * 1024 * 1024),
+)
 
 
 def create_app(config: ControlConfig, run_reconciler: bool = True) -> FastAPI:
@@ -68,11 +78,13 @@ def create_app(config: ControlConfig, run_reconciler: bool = True) -> FastAPI:
     )
     app.state.platform = platform
     job_intake = app.state.job_intake = JobIntake(platform)
+    app.add_middleware(BodyLimitMiddleware, rules=BODY_LIMITS)
     if limit is not None:  # inside the timer, so 429s are timed and counted too
         app.add_middleware(RateLimitMiddleware, limit=limit,
                            exempt=frozenset({token_key(config.secret)}))
     app.add_middleware(TimingMiddleware, name="control")
     install_problem_handlers(app)
+    install_data_error_handler(app)
     for module in (workspaces, files, gateway, admin, internal, credits, budgets, holds, jobs,
                    binaries):
         app.include_router(module.router)

@@ -46,9 +46,15 @@ def sign(key: bytes, job_id: str, attempt: int, name: str, expires: int) -> str:
 
 def check(key: bytes, job_id: str, attempt: int, name: str, expires: int, signature: str,
           now_s: float) -> None:
-    """Raise 403 unless the signature matches and has not expired."""
+    """Raise 403 unless the signature matches and has not expired.
+
+    The signature comes from a URL, so it may be any text: it is compared as bytes
+    in constant time, and text that is not ASCII (never a hex digest, and what
+    ``compare_digest`` refuses to compare as ``str``) is simply invalid.
+    """
     expected = sign(key, job_id, attempt, name, expires)
-    if not hmac.compare_digest(expected, signature):
+    if not signature.isascii() or not hmac.compare_digest(expected.encode(),
+                                                          signature.encode("ascii")):
         raise Forbidden("invalid signature")
     if now_s >= expires:
         raise Forbidden("this link has expired; ask the API for a new one")

@@ -30,6 +30,13 @@ class InvalidInput(DomainError):
     title = "Unprocessable content"
 
 
+class ContentTooLarge(DomainError):
+    """A request body, or a file, is larger than its route allows (RFC 9110's 413)."""
+
+    status = 413
+    title = "Content too large"
+
+
 class Unauthorized(DomainError):
     status = 401
     title = "Unauthorized"

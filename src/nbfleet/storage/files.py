@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
-from nbfleet.model.errors import InvalidInput
-from nbfleet.storage.blobs import BlobInfo, BlobStore
-from nbfleet.storage.paths import confine
+import contextlib
+from collections.abc import Iterator
 
+from nbfleet.model.errors import ContentTooLarge, InvalidInput
+from nbfleet.storage.blobs import BlobInfo, BlobStore, PathConflict
+from nbfleet.storage.paths import confine
+from nbfleet.storage.uploads import Upload
+
+#: The largest workspace file: the API refuses a larger body with 413 as it reads
+#: it, and the agents' file sync skips larger files.
 MAX_FILE_BYTES = 100 * 1024 * 1024
 
 
@@ -47,10 +53,28 @@ class WorkspaceFiles:
     def put(self, workspace_id: str, path: str, data: bytes) -> str:
         key = self._key(workspace_id, path)
         if len(data) > MAX_FILE_BYTES:
-            raise InvalidInput(f"{path} is larger than {MAX_FILE_BYTES} bytes", path=path)
+            raise ContentTooLarge(f"{path} is larger than {MAX_FILE_BYTES} bytes", path=path)
         if path.endswith(".ipynb"):
             validate_notebook(path, data)
-        self.blobs.put(key, data)
+        with _conflicts(path):
+            self.blobs.put(key, data)
+        return confine(path)
+
+    def upload(self, workspace_id: str, path: str) -> Upload:
+        """Start writing a file whose bytes arrive in pieces (an HTTP body): write
+        them to the upload, then :meth:`commit` it. A bad path is refused before
+        any byte is read."""
+        self._key(workspace_id, path)
+        return Upload(self.blobs, MAX_FILE_BYTES, path)
+
+    def commit(self, workspace_id: str, path: str, upload: Upload) -> str:
+        """Make a finished upload the file at ``path`` (a notebook is validated
+        first, and an invalid one leaves the previous version in place)."""
+        key = self._key(workspace_id, path)
+        if path.endswith(".ipynb"):
+            validate_notebook(path, upload.read())
+        with _conflicts(path):
+            upload.commit(key)
         return confine(path)
 
     def delete(self, workspace_id: str, path: str) -> None:
@@ -58,3 +82,12 @@ class WorkspaceFiles:
 
     def delete_all(self, workspace_id: str) -> None:
         self.blobs.delete_prefix(workspace_prefix(workspace_id))
+
+
+@contextlib.contextmanager
+def _conflicts(path: str) -> Iterator[None]:
+    """Say what conflicts in the workspace's terms, not the store's keys."""
+    try:
+        yield
+    except PathConflict as exc:
+        raise PathConflict(path, exc.reason) from None

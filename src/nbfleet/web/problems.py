@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from fastapi import FastAPI, Request, WebSocket
@@ -14,6 +15,19 @@ from nbfleet.model.errors import DomainError
 PROBLEM_JSON = "application/problem+json"
 
 
+class ProblemResponse(JSONResponse):
+    media_type = PROBLEM_JSON
+
+    def render(self, content: Any) -> bytes:
+        """JSON in UTF-8, except that a problem quoting text which is not valid
+        Unicode (a lone surrogate, sent as a JSON escape) is written with ASCII
+        escapes: refusing bad input must never fail on echoing it."""
+        try:
+            return super().render(content)
+        except UnicodeEncodeError:
+            return json.dumps(content, separators=(",", ":")).encode("ascii")
+
+
 def problem(status: int, title: str, detail: str, instance: str = "", **extra: Any) -> JSONResponse:
     body: dict[str, Any] = {
         "type": f"https://nbfleet.dev/problems/{title.lower().replace(' ', '-')}",
@@ -24,7 +38,7 @@ def problem(status: int, title: str, detail: str, instance: str = "", **extra: A
     if instance:
         body["instance"] = instance
     body.update(extra)
-    return JSONResponse(body, status_code=status, media_type=PROBLEM_JSON)
+    return ProblemResponse(body, status_code=status, media_type=PROBLEM_JSON)
 
 
 def install_problem_handlers(app: FastAPI) -> None:
@@ -46,8 +60,11 @@ def install_problem_handlers(app: FastAPI) -> None:
     async def on_http(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, HTTPException)
         title = {401: "Unauthorized", 403: "Forbidden", 404: "Not found",
-                 405: "Method not allowed", 429: "Too many requests"}.get(exc.status_code, "Error")
-        response = problem(exc.status_code, title, str(exc.detail), request.url.path)
+                 405: "Method not allowed", 413: "Content too large",
+                 429: "Too many requests"}.get(exc.status_code, "Error")
+        # An HTTPException may carry problem members of its own (web.limits does).
+        extra = getattr(exc, "problem_extra", None) or {}
+        response = problem(exc.status_code, title, str(exc.detail), request.url.path, **extra)
         for name, value in (exc.headers or {}).items():
             response.headers[name] = value
         return response

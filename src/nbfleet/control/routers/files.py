@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
@@ -15,6 +16,8 @@ from nbfleet.control.platform import Platform
 from nbfleet.model.errors import Conflict, DomainError
 from nbfleet.model.workspace import WorkspaceState
 from nbfleet.storage.paths import confine
+from nbfleet.storage.uploads import Upload
+from nbfleet.web.bodies import spool
 from nbfleet.web.render import iso
 
 log = logging.getLogger(__name__)
@@ -60,20 +63,42 @@ async def get_file(workspace_id: str, path: str, request: Request,
     return Response(data, media_type=media)
 
 
-@router.put("/{path:path}", summary="Write a file (atomic; notebooks are validated)")
+#: The body is any bytes, none at all for an empty file; saying so lets the docs
+#: and API fuzzers send one.
+_RAW_BODY = {"requestBody": {"required": False, "content": {
+    "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}}
+
+
+@router.put("/{path:path}", summary="Write a file (atomic; notebooks are validated)",
+            openapi_extra=_RAW_BODY)
 async def put_file(workspace_id: str, path: str, request: Request,
                    principal: Principal = Depends(current_principal)) -> dict[str, Any]:
+    """The body streams to a temporary file as it arrives (413 once it passes the
+    file size limit), then replaces the file atomically; a running workspace gets a
+    copy streamed from that file. Memory per request stays bounded."""
     platform = platform_of(request)
     clean = confine(path)
     host = await asyncio.to_thread(_live_host, platform, principal, workspace_id, True)
-    data = await request.body()
-    await asyncio.to_thread(platform.files.put, workspace_id, clean, data)
-    if host is not None:
-        try:
-            await platform.agents.put_file(host, workspace_id, clean, data)
-        except DomainError as exc:  # saved already; the runtime catches up on resume
-            log.warning("could not mirror %s into the runtime: %s", clean, exc.detail)
-    return {"path": clean, "size": len(data)}
+    upload = await asyncio.to_thread(platform.files.upload, workspace_id, clean)
+    try:
+        size = await spool(request.stream(), upload.write, upload.limit, clean)
+        await asyncio.to_thread(platform.files.commit, workspace_id, clean, upload)
+        if host is not None:
+            try:
+                await platform.agents.put_file(host, workspace_id, clean, _read_back(upload),
+                                               size)
+            except DomainError as exc:  # saved already; the runtime catches up on resume
+                log.warning("could not mirror %s into the runtime: %s", clean, exc.detail)
+    finally:
+        await asyncio.to_thread(upload.close)
+    return {"path": clean, "size": size}
+
+
+async def _read_back(upload: Upload) -> AsyncIterator[bytes]:
+    offset = 0
+    while chunk := await asyncio.to_thread(upload.read_chunk, offset):
+        offset += len(chunk)
+        yield chunk
 
 
 @router.delete("/{path:path}", status_code=204, summary="Delete a file")
