@@ -18,6 +18,7 @@ from nbfleet.agent.service import AgentService
 from nbfleet.agent.statesync import SuspendOptions
 from nbfleet.agent.wire import V1_PROTOCOL, WireError, parse_client_frame
 from nbfleet.model.errors import NotFound, Unauthorized
+from nbfleet.model.limits import Limits
 from nbfleet.storage.files import MAX_FILE_BYTES
 from nbfleet.storage.paths import confine
 from nbfleet.web.bodies import read_bounded
@@ -37,6 +38,13 @@ class KernelRef(BaseModel):
     name: str = "python3"
 
 
+class LimitsBody(BaseModel):
+    memory_bytes: int | None = Field(None, ge=0)
+    cpus: float | None = Field(None, gt=0, le=1024)
+    pids: int | None = Field(None, ge=0)
+    disk_bytes: int | None = Field(None, ge=0)
+
+
 class EnsureRuntime(BaseModel):
     generation: int = Field(ge=1)
     kernels: list[KernelRef] = []
@@ -44,6 +52,8 @@ class EnsureRuntime(BaseModel):
     snapshot: dict[str, str] = {}
     #: The blob key of the workspace's package layer.
     packages: str | None = None
+    #: The project's own limits; unset fields take the agent's defaults.
+    limits: LimitsBody | None = None
 
 
 class Suspend(BaseModel):
@@ -112,6 +122,7 @@ def create_agent_app(service: AgentService) -> FastAPI:
         placed = await service.manager.ensure(
             workspace_id, body.generation, [(k.id, k.name) for k in body.kernels],
             body.snapshot, body.packages,
+            Limits.from_dict(body.limits.model_dump()) if body.limits else None,
         )
         return {"kernels": [k.model() for k in placed.runtime.kernels.values()],
                 "restore": placed.restore, "packages": placed.packages}

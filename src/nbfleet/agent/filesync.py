@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import tempfile
 
 from nbfleet.model.errors import DomainError
 from nbfleet.storage.files import MAX_FILE_BYTES, WorkspaceFiles
@@ -22,6 +23,8 @@ log = logging.getLogger(__name__)
 Manifest = dict[str, tuple[int, int]]
 
 _SKIP_DIRS = {"__pycache__", ".ipynb_checkpoints"}
+#: The agent's own half-written files, never synced back.
+TMP_PREFIX = ".nbfleet-tmp-"
 
 
 def materialize(files: WorkspaceFiles, workspace_id: str, workdir: str) -> Manifest:
@@ -37,10 +40,17 @@ def write_local(workdir: str, path: str, data: bytes) -> tuple[int, int]:
     os.makedirs(os.path.dirname(target), exist_ok=True)
     if os.path.islink(target):
         os.unlink(target)
-    tmp = f"{target}.nbfleet-tmp"
-    with open(tmp, "wb") as handle:
-        handle.write(data)
-    os.replace(tmp, target)
+    # A short name of its own: ``<name>.tmp`` would pass the 255-byte limit for the
+    # longest names the API accepts.
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=TMP_PREFIX)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     stat = os.stat(target)
     return (stat.st_size, stat.st_mtime_ns)
 
@@ -61,7 +71,7 @@ def scan(workdir: str) -> Manifest:
         ]
         for name in names:
             full = os.path.join(root, name)
-            if os.path.islink(full) or not os.path.isfile(full) or name.endswith(".nbfleet-tmp"):
+            if os.path.islink(full) or not os.path.isfile(full) or name.startswith(TMP_PREFIX):
                 continue
             rel = os.path.relpath(full, workdir).replace(os.sep, "/")
             stat = os.stat(full)
