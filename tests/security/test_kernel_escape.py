@@ -28,11 +28,13 @@ from nbfleet.sdk.kernel_socket import KernelSocket
 from tests.conftest import fresh_database
 from tests.support.cluster import Cluster, token_of, wait_until
 from tests.support.hostile import (
+    DEVICES_AND_RAW_OUTPUT,
     DISK_LIMIT_MIB,
     IDENTITY,
     LIMIT_ARGS,
     PIDS_LIMIT,
     SYSCALLS,
+    TAMPER,
     Battlefield,
     cpu_hog,
     delegated_cgroups,
@@ -200,6 +202,24 @@ print(json.dumps({{"hits": hits, "seen": seen}}))
 """
     verdict = field.attacker.run(field.cluster, code)
     assert verdict["hits"] == [], verdict
+
+
+def test_the_kernel_cannot_rearrange_what_the_agent_binds_into_it(field: Battlefield) -> None:
+    """Found in review: a kernel that owned its slot could swap its /tmp for a
+    symlink to any host directory, or its connection file for a symlink the agent
+    would chown, then restart itself."""
+    verdict = field.attacker.run(field.cluster, TAMPER)
+    assert verdict["done"] == [], verdict
+
+
+def test_devices_work_and_raw_output_stays_out_of_the_agents_log(field: Battlefield) -> None:
+    """/dev/null, /dev/urandom and subprocess.DEVNULL work (a root agent's sandbox
+    once refused every device node); what the kernel writes to its own fds 1 and 2
+    never reaches the agent's log or terminal."""
+    verdict = field.attacker.run(field.cluster, DEVICES_AND_RAW_OUTPUT)
+    assert verdict == {"random": 16, "status": 0}, verdict
+    log = (field.cluster.logs / "agent1.log").read_text(errors="replace")
+    assert "RAW-STDOUT-MARKER" not in log and "RAW-STDERR-MARKER" not in log
 
 
 # ----------------------------------------------------------------- signals

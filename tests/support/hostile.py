@@ -41,10 +41,10 @@ class Tenant:
     kernel_id: str
 
     def run(self, cluster: Cluster, code: str, timeout: float = 120.0) -> dict[str, Any]:
-        """Run a probe; its last stdout line is its JSON verdict."""
+        """Run a probe; its last stdout line that is a JSON object is its verdict."""
         result = run_cell(cluster, self.client, self.workspace_id, self.kernel_id, code)
         assert result.status == "ok", (result.reply, result.outputs)
-        lines = [line for line in result.stdout.splitlines() if line.strip()]
+        lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
         assert lines, result.outputs
         verdict: dict[str, Any] = json.loads(lines[-1])
         return verdict
@@ -334,4 +334,41 @@ for pid in children:
     _, _, usage = os.wait4(pid, 0)
     cpu += usage.ru_utime + usage.ru_stime
 print(json.dumps({{"cpu_s": cpu, "wall_s": time.monotonic() - start}}))
+"""
+
+
+#: Rearrange what the agent will bind into the next start of this kernel: its slot's
+#: /tmp (a symlink to the host's /), its connection file (a symlink to a host file
+#: the agent would then chown), a file beside them.
+TAMPER = PROLOGUE + r"""
+import sys
+slot = os.path.dirname(os.getcwd())
+connection = sys.argv[sys.argv.index("-f") + 1]
+attempts = {
+    "rename slot tmp": lambda: os.rename(os.path.join(slot, "tmp"), os.path.join(slot, "t2")),
+    "symlink in slot": lambda: os.symlink("/", os.path.join(slot, "evil")),
+    "replace connection file": lambda: os.unlink(connection),
+    "file beside connection file": lambda: open(connection + ".x", "w").close(),
+}
+done = []
+for name, attempt in attempts.items():
+    try:
+        attempt()
+        done.append(name)
+    except OSError:
+        pass
+print(json.dumps({"done": done}))
+"""
+
+#: Devices a program expects, and output written past ipykernel to the process's
+#: own stdout and stderr.
+DEVICES_AND_RAW_OUTPUT = PROLOGUE + r"""
+import subprocess
+with open("/dev/null", "w") as sink:
+    sink.write("x")
+random_bytes = len(open("/dev/urandom", "rb").read(16))
+status = subprocess.run(["true"], stdout=subprocess.DEVNULL).returncode
+os.write(1, b"RAW-STDOUT-MARKER\n")
+os.write(2, b"RAW-STDERR-MARKER\n")
+print(json.dumps({"random": random_bytes, "status": status}))
 """

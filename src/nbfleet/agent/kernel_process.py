@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import os
+import subprocess
 import uuid
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -85,6 +86,7 @@ class SandboxedKernelManager(AsyncKernelManager):
 
     sandbox: Sandbox | None = None
     visible: list[str] = []
+    readonly: list[str] = []
     tmp: str | None = None
     identity: Identity | None = None
     cgroup: Cgroup | None = None
@@ -94,13 +96,15 @@ class SandboxedKernelManager(AsyncKernelManager):
         if self.sandbox is None:
             return argv
         return self.sandbox.wrap(argv, self.visible, self.visible[0], tmp=self.tmp,
-                                 identity=self.identity, cgroup=self.cgroup)
+                                 identity=self.identity, cgroup=self.cgroup,
+                                 readonly=self.readonly)
 
     def write_connection_file(self, **kwargs: Any) -> None:
         """The file (0600, with the kernel's key) must be readable by the sandbox's uid."""
         super().write_connection_file(**kwargs)
         if self.identity is not None and self.connection_file:
-            os.chown(self.connection_file, self.identity.uid, self.identity.gid)
+            os.chown(self.connection_file, self.identity.uid, self.identity.gid,
+                     follow_symlinks=False)
 
 
 class KernelProcess:
@@ -114,6 +118,8 @@ class KernelProcess:
         connection_dir: str,
         sandbox: Sandbox | None = None,
         visible: tuple[str, ...] = (),
+        readonly: tuple[str, ...] = (),
+        ipc_dir: str | None = None,
         extra_arguments: tuple[str, ...] = (),
         tmp: str | None = None,
         identity: Identity | None = None,
@@ -156,11 +162,14 @@ class KernelProcess:
         self.manager = SandboxedKernelManager(
             kernel_name=name,
             transport="ipc",
-            ip=os.path.join(connection_dir, f"k-{kernel_id[:8]}"),
+            ip=os.path.join(ipc_dir or connection_dir, f"k-{kernel_id[:8]}"),
             connection_file=os.path.join(connection_dir, f"kernel-{kernel_id}.json"),
         )
         self.manager.sandbox = sandbox
-        self.manager.visible = [workdir, connection_dir, *visible]
+        # The connection file is read-only to the sandbox (its directory is bound
+        # read-only); the sockets are made in ``ipc_dir``.
+        self.manager.visible = [workdir, ipc_dir or connection_dir, *visible]
+        self.manager.readonly = [*readonly, connection_dir] if ipc_dir else [*readonly]
         self.manager.tmp, self.manager.identity, self.manager.cgroup = tmp, identity, cgroup
         #: Asked when the kernel dies by itself: why, when the platform knows (e.g.
         #: its memory limit). The answer is told to the notebook and the agent.
@@ -174,8 +183,12 @@ class KernelProcess:
 
     # ----------------------------------------------------------------- lifecycle
     async def start(self) -> None:
+        # A sandboxed kernel's output must not reach the agent's own log or
+        # terminal (unbounded, and escape sequences): its notebook gets it anyway.
+        quiet = ({"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+                 if self.manager.sandbox is not None else {})
         await self.manager.start_kernel(cwd=self.workdir, env=self.env,
-                                        extra_arguments=self.extra_arguments)
+                                        extra_arguments=self.extra_arguments, **quiet)
         info: dict[str, Any] = dict(self.manager.get_connection_info())
         key = info["key"]
         self.codec = WireCodec(key if isinstance(key, bytes) else key.encode())

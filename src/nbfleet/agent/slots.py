@@ -27,7 +27,7 @@ from nbfleet.agent.kernel_process import KernelProcess
 from nbfleet.agent.sandbox import Isolation, Sandbox
 from nbfleet.agent.sandbox.cgroups import Cgroup
 from nbfleet.agent.sandbox.identity import Identities, Identity, hand_over
-from nbfleet.agent.sandbox.quota import Disk
+from nbfleet.agent.sandbox.quota import Disk, unmount
 from nbfleet.model.limits import Limits, format_size
 
 #: Environment variables a kernel may inherit. Everything else, the control plane's
@@ -72,6 +72,8 @@ class Slot:
     disk: Disk | None = None
     limits: Limits = field(default_factory=Limits)
     identities: Identities | None = None
+    #: A tmpfs mounted on the socket directory (root agents with quotas).
+    ipc_mount: bool = False
     _oom_seen: int = 0
 
     @classmethod
@@ -89,13 +91,21 @@ class Slot:
             shutil.rmtree(slot.root, ignore_errors=True)  # a previous boot's leftovers
             if isolation.quotas is not None and limits.disk_bytes:
                 slot.disk = isolation.quotas.create(name, slot.root, limits.disk_bytes)
-            for path in (slot.files, slot.home, slot.packages, slot.state, slot.tmp):
+            # The slot's root and socket directory stay the agent's (and the sandbox
+            # sees them read-only): the kernel cannot rename what is bound into its
+            # view, nor replace its connection file, between two starts.
+            os.makedirs(slot.root, exist_ok=True)
+            os.chmod(slot.root, 0o755)
+            for path in (*slot.owned, slot.sockets):
                 os.makedirs(path, exist_ok=True)
-            os.makedirs(slot.sockets, mode=0o700, exist_ok=True)
+            os.chmod(slot.sockets, 0o755)
             if isolation.identities is not None:
                 slot.identity = isolation.identities.allocate()
-                hand_over(slot.root, slot.identity)
-                hand_over(slot.sockets, slot.identity)
+            if isolation.quotas is not None and slot.identity is not None:
+                # Socket files live on the host's /tmp: a tiny tmpfs keeps the kernel
+                # from storing anything else there, past its disk quota.
+                slot.ipc_mount = isolation.quotas.small_tmpfs(slot.ipc, slot.identity.uid)
+            slot.hand_over()
             if isolation.cgroups is not None:
                 slot.cgroup = isolation.cgroups.create(name, limits)
                 slot._oom_seen = slot.cgroup.oom_kills()
@@ -121,13 +131,26 @@ class Slot:
         return os.path.join(self.root, "state")
 
     @property
+    def ipc(self) -> str:
+        """Where the kernel's IPC sockets are made: the only part of the socket
+        directory the sandbox may write."""
+        return os.path.join(self.sockets, "ipc")
+
+    @property
+    def owned(self) -> tuple[str, ...]:
+        """The directories the sandbox's uid owns and may write."""
+        return (self.files, self.home, self.packages, self.state, self.tmp, self.ipc)
+
+    @property
     def tmp(self) -> str:
         """The sandbox's /tmp: on the slot's own disk, so it counts against its quota."""
         return os.path.join(self.root, "tmp")
 
     def hand_over(self, path: str | None = None) -> None:
-        """Give what the agent wrote into the slot to the sandbox's uid."""
-        hand_over(path or self.root, self.identity)
+        """Give what the agent wrote into the slot (by default: into every directory
+        the sandbox owns) to the sandbox's uid."""
+        for owned in (path,) if path else self.owned:
+            hand_over(owned, self.identity)
 
     def hand_over_file(self, relative: str) -> None:
         """Give one file the agent wrote under ``files/``, and the directories it
@@ -160,6 +183,8 @@ class Slot:
                 f"{format_size(limit) if limit else 'whole'} memory limit")
 
     def remove(self) -> None:
+        if self.ipc_mount:
+            unmount(self.ipc)
         if self.disk is not None:
             self.disk.remove()
         if self.cgroup is not None:
@@ -198,7 +223,8 @@ def new_kernel(slot: Slot, kernel_id: str, workspace_id: str, name: str,
         if preimport:
             env["NBFLEET_PREIMPORT"] = ",".join(preimport)
     kernel = KernelProcess(kernel_id, workspace_id, name, slot.files, env, slot.sockets,
-                           sandbox=sandbox, visible=(slot.root,), extra_arguments=extra,
+                           sandbox=sandbox, visible=(slot.home, slot.packages, slot.state),
+                           readonly=(slot.root,), ipc_dir=slot.ipc, extra_arguments=extra,
                            tmp=slot.tmp, identity=slot.identity, cgroup=slot.cgroup)
     kernel.state_dir = state_dir if extra else None
     kernel.death_reason = slot.death_reason

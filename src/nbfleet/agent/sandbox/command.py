@@ -72,7 +72,10 @@ class Sandbox:
             command = [self.bwrap, *inner, "--ro-bind", "/", "/", "--proc", "/proc",
                        "--dev", "/dev", *view, *self._devices(devices or []), *self._tail(workdir)]
         else:
-            outer = [self.bwrap, "--ro-bind", "/", "/", "--bind", "/proc", "/proc", *view,
+            # The host's /dev, bound read-only, would be nodev (every device node,
+            # /dev/null included, refused): a /dev of its own, with the GPUs given.
+            outer = [self.bwrap, "--ro-bind", "/", "/", "--bind", "/proc", "/proc",
+                     "--dev", "/dev", *self._devices(devices or []), *view,
                      "--die-with-parent", "--"]
             drop = [self.setpriv]
             if identity is not None:

@@ -124,6 +124,13 @@ class DiskQuotas:
             os.rmdir(os.path.join(mountpoint, "lost+found"))
         return disk
 
+    def small_tmpfs(self, mountpoint: str, uid: int, size: str = "1m") -> bool:
+        """A tiny tmpfs owned by ``uid`` at ``mountpoint`` (a socket directory)."""
+        os.makedirs(mountpoint, exist_ok=True)
+        _run("mount", "-t", "tmpfs", "-o", f"size={size},mode=0700,uid={uid},gid={uid},"
+             "nosuid,nodev,noexec", "tmpfs", mountpoint)
+        return True
+
     def sweep(self, runtimes_dir: str) -> None:
         """Unmount and delete what a previous boot of this agent left behind."""
         for point in mounts_under(runtimes_dir):
