@@ -9,6 +9,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.conftest import running_cluster
@@ -31,11 +32,24 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 
 def _cgroup_limit(cluster: Cluster, workspace_id: str, controller: str, name: str) -> str:
+    """A limit of the cgroup whose kernel works in ``workspace_id``'s files (the
+    slot may be a warm one, named after the warm kernel, not the workspace)."""
     agent_id = (cluster.root / "agent1" / "agent-id").read_text().strip()
-    found = glob.glob(f"/sys/fs/cgroup/{controller}/**/nbfleet-{agent_id}/{workspace_id}/{name}",
-                      recursive=True)
-    assert len(found) == 1, found
-    return Path(found[0]).read_text().strip()
+    slots = glob.glob(f"/sys/fs/cgroup/{controller}/**/nbfleet-{agent_id}/*/", recursive=True)
+    for slot in slots:
+        for pid in Path(slot, "cgroup.procs").read_text().split():
+            try:
+                cwd = os.readlink(f"/proc/{pid}/cwd")
+            except OSError:
+                continue
+            if os.path.exists(os.path.join(cwd, f"{workspace_id}.marker")):
+                return Path(slot, name).read_text().strip()
+    raise AssertionError(f"no kernel of {workspace_id} in {slots}")
+
+
+def _mark(client: httpx.Client, workspace_id: str) -> None:
+    client.put(f"/v1/workspaces/{workspace_id}/files/{workspace_id}.marker",
+               content=b"").raise_for_status()
 
 
 def test_a_warm_kernel_takes_over_a_workspace_with_its_files_and_quota(
@@ -68,6 +82,7 @@ def test_a_projects_own_limits_apply_to_its_workspaces(cluster: Cluster) -> None
     assert answer.status_code == 200, answer.text
     assert answer.json()["kernel_memory"] == "512MiB"
     ws = create_running(client)
+    _mark(client, ws)
     kernel = start_kernel(client, ws)
     assert _cgroup_limit(cluster, ws, "memory", "memory.limit_in_bytes") == str(512 << 20)
     assert _cgroup_limit(cluster, ws, "pids", "pids.max") == "64"
@@ -79,6 +94,7 @@ def test_a_projects_own_limits_apply_to_its_workspaces(cluster: Cluster) -> None
     # Other projects keep the platform's defaults.
     other = cluster.new_user(org="q3")
     other_ws = create_running(other)
+    _mark(other, other_ws)
     start_kernel(other, other_ws)
     assert _cgroup_limit(cluster, other_ws, "memory", "memory.limit_in_bytes") == str(1 << 30)
 

@@ -56,6 +56,11 @@ def cli(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Any]]:
             return client
 
         monkeypatch.setattr(ws_cli, "Api", api)
+        # The consoles took their width when imported: make it wide whatever the
+        # terminal that ran the tests, so no message is wrapped mid-sentence.
+        from nbfleet.cli import client as client_module
+        monkeypatch.setattr(client_module.err, "width", 300)
+        monkeypatch.setattr(client_module.out, "width", 300)
         return CliRunner().invoke(ws_cli.app, ["resume", WS, "--wait"], env={"COLUMNS": "300"})
 
     yield run
