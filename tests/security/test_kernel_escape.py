@@ -26,7 +26,7 @@ import pytest
 
 from nbfleet.sdk.kernel_socket import KernelSocket
 from tests.conftest import fresh_database
-from tests.support.cluster import Cluster, token_of, wait_until
+from tests.support.cluster import Cluster, token_of, wait_state, wait_until
 from tests.support.hostile import (
     DEVICES_AND_RAW_OUTPUT,
     DISK_LIMIT_MIB,
@@ -132,12 +132,18 @@ def _deploy(mode: str, cluster: Cluster) -> Battlefield:
     }
     if (cluster.home / "nbfleet.db").exists():
         secrets["metadata DB"] = str(cluster.home / "nbfleet.db")
+    outside = cluster.root / "outside"
+    outside.mkdir()
+    (outside / "victim.txt").write_text("keep")
+    if cluster.run_as is not None:
+        for path in (outside, outside / "victim.txt"):
+            os.chown(path, *cluster.run_as)
     return Battlefield(
         mode, cluster, attacker, victim,
         host_pids={"control plane": cluster.control.pid, "agent": agent.pid,
                    "victim's kernel": victim_pid, "attacker's own kernel": attacker_pid},
         secrets=secrets, agent_port=int(agents[0]["url"].rsplit(":", 1)[1]),
-        isolation=agents[0].get("inventory", {}).get("isolation", {}))
+        isolation=agents[0].get("inventory", {}).get("isolation", {}), outside=outside)
 
 
 def _outside_pids(field: Battlefield) -> list[int]:
@@ -229,6 +235,8 @@ def test_signals_reach_no_process_outside_the_workspace(field: Battlefield) -> N
     verdict = field.attacker.run(field.cluster, signal_probe(_outside_pids(field)))
     assert verdict["delivered"] == {}, verdict
     for name, pid in field.host_pids.items():
+        if name == "attacker's own kernel":
+            continue
         with open(f"/proc/{pid}/status") as handle:
             state = next(line for line in handle if line.startswith("State:"))
         assert "T (stopped)" not in state, (name, state)
@@ -333,3 +341,44 @@ async def _run_until_told(cluster: Cluster, client: httpx.Client, workspace_id: 
     finally:
         await sock.close()
     return texts
+
+
+# ----------------------------------------------------- links (runs last: it resumes)
+def test_links_a_kernel_plants_never_lead_the_agent_outside(field: Battlefield) -> None:
+    """Found in review: the agent, often root, followed links the kernel planted in
+    its own directories: an API write or delete through ``d -> /etc`` wrote or
+    deleted host files, a suspend uploaded what a link pointed at, and a restore
+    wrote the snapshot through a link a ``sitecustomize`` planted in the kernel's
+    state directory. Here the links point at a host directory the kernel cannot
+    see; nothing may arrive there, leave it, or come back from it."""
+    attacker, outside = field.attacker, str(field.outside)
+    api = f"/v1/workspaces/{attacker.workspace_id}/files"
+    plant = f"""import os, json
+os.symlink({outside!r}, "d")
+os.symlink({outside + "/victim.txt"!r}, "leak.txt")
+site = os.path.join(os.environ["PYTHONPATH"], "sitecustomize.py")
+with open(site, "w") as handle:
+    handle.write("import os, shutil\\n"
+                 "d = os.environ.get('NBFLEET_STATE_DIR')\\n"
+                 "if d:\\n"
+                 "    shutil.rmtree(d, ignore_errors=True)\\n"
+                 "    os.makedirs(d, exist_ok=True)\\n"
+                 "    os.symlink({outside!r}, os.path.join(d, 'blobs'))\\n")
+kept = list(range(10))
+print(json.dumps({{"planted": True}}))
+"""
+    assert attacker.run(field.cluster, plant) == {"planted": True}
+    attacker.client.put(f"{api}/d/victim.txt", content=b"overwritten")
+    attacker.client.delete(f"{api}/d/victim.txt")
+    attacker.client.put(f"{api}/d/new.txt", content=b"planted")
+    client = attacker.client
+    client.post(f"/v1/workspaces/{attacker.workspace_id}/suspend").raise_for_status()
+    wait_state(client, attacker.workspace_id, "suspended", timeout=120)
+    stored = {f["path"] for f in client.get(api).json()["files"]}
+    assert "leak.txt" not in stored, stored
+    client.post(f"/v1/workspaces/{attacker.workspace_id}/resume").raise_for_status()
+    wait_state(client, attacker.workspace_id, "running", timeout=120)
+    assert sorted(os.listdir(outside)) == ["victim.txt"], os.listdir(outside)
+    assert (field.outside / "victim.txt").read_text() == "keep"
+    back = attacker.run(field.cluster, "import json\nprint(json.dumps({'kept': kept}))")
+    assert back == {"kept": list(range(10))}

@@ -65,6 +65,9 @@ class Battlefield:
     secrets: dict[str, str] = field(default_factory=dict)
     agent_port: int = 0
     isolation: dict[str, Any] = field(default_factory=dict)
+    #: A host directory the agent could write (it is the agent's user's) but the
+    #: kernel cannot see: the target of the links a kernel plants for the agent.
+    outside: Path = Path("/nonexistent")
 
 
 # ----------------------------------------------------------------- running as
@@ -370,5 +373,6 @@ random_bytes = len(open("/dev/urandom", "rb").read(16))
 status = subprocess.run(["true"], stdout=subprocess.DEVNULL).returncode
 os.write(1, b"RAW-STDOUT-MARKER\n")
 os.write(2, b"RAW-STDERR-MARKER\n")
+time.sleep(0.5)  # ipykernel relays fd output from a thread: let it pass before the verdict
 print(json.dumps({"random": random_bytes, "status": status}))
 """

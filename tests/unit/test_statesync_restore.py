@@ -54,8 +54,7 @@ class FakeKernel:
 
 @pytest.fixture(autouse=True)
 def no_store(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(statesync, "clear_dir", lambda path: None)
-    monkeypatch.setattr(statesync, "download_state", lambda *args: 10)
+    monkeypatch.setattr(statesync, "_install", lambda *args: 10)
 
 
 def restore(kernel: FakeKernel) -> dict[str, Any]:

@@ -11,9 +11,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import tempfile
+from collections.abc import Iterator
+from stat import S_ISREG
 
 from nbfleet.model.errors import DomainError
+from nbfleet.storage import beneath
 from nbfleet.storage.files import MAX_FILE_BYTES, WorkspaceFiles
 from nbfleet.storage.paths import confine
 
@@ -22,78 +24,73 @@ log = logging.getLogger(__name__)
 #: path -> (size, mtime_ns) of what the store and the directory last agreed on.
 Manifest = dict[str, tuple[int, int]]
 
-_SKIP_DIRS = {"__pycache__", ".ipynb_checkpoints"}
-#: The agent's own half-written files, never synced back.
+_SKIP_DIRS = frozenset({"__pycache__", ".ipynb_checkpoints"})
+#: The agent's own half-written files (``beneath.write``), never synced back.
 TMP_PREFIX = ".nbfleet-tmp-"
 
 
-def materialize(files: WorkspaceFiles, workspace_id: str, workdir: str) -> Manifest:
+def materialize(files: WorkspaceFiles, workspace_id: str, workdir: str,
+                owner: beneath.Owner = None) -> Manifest:
     os.makedirs(workdir, exist_ok=True)
     manifest: Manifest = {}
     for blob in files.list(workspace_id):
-        manifest[blob.key] = write_local(workdir, blob.key, files.get(workspace_id, blob.key))
+        manifest[blob.key] = write_local(workdir, blob.key, files.get(workspace_id, blob.key),
+                                         owner)
     return manifest
 
 
-def write_local(workdir: str, path: str, data: bytes) -> tuple[int, int]:
-    target = os.path.join(workdir, confine(path))
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    if os.path.islink(target):
-        os.unlink(target)
-    # A short name of its own: ``<name>.tmp`` would pass the 255-byte limit for the
-    # longest names the API accepts.
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=TMP_PREFIX)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    stat = os.stat(target)
+def write_local(workdir: str, path: str, data: bytes,
+                owner: beneath.Owner = None) -> tuple[int, int]:
+    """Write a file into a kernel's working directory, never through a link the
+    kernel planted there, and give it (and any directory made for it) to ``owner``."""
+    stat = beneath.write(workdir, confine(path), data, owner)
     return (stat.st_size, stat.st_mtime_ns)
 
 
 def remove_local(workdir: str, path: str) -> None:
-    target = os.path.join(workdir, confine(path))
-    if os.path.isfile(target) and not os.path.islink(target):
-        os.unlink(target)
+    beneath.unlink(workdir, confine(path))
+
+
+def _entries(workdir: str) -> Iterator[tuple[str, int, str]]:
+    for relative, dir_fd, name in beneath.files(workdir, _SKIP_DIRS):
+        if not name.startswith(TMP_PREFIX):
+            yield relative, dir_fd, name
 
 
 def scan(workdir: str) -> Manifest:
-    """Regular files under ``workdir`` (no symlinks, no caches) and their stamps."""
+    """Regular files under ``workdir`` (no links, no caches) and their stamps."""
     found: Manifest = {}
-    for root, dirs, names in os.walk(workdir, followlinks=False):
-        dirs[:] = [
-            d for d in dirs
-            if d not in _SKIP_DIRS and not os.path.islink(os.path.join(root, d))
-        ]
-        for name in names:
-            full = os.path.join(root, name)
-            if os.path.islink(full) or not os.path.isfile(full) or name.startswith(TMP_PREFIX):
-                continue
-            rel = os.path.relpath(full, workdir).replace(os.sep, "/")
-            stat = os.stat(full)
-            found[rel] = (stat.st_size, stat.st_mtime_ns)
+    for relative, dir_fd, name in _entries(workdir):
+        stat = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if S_ISREG(stat.st_mode):
+            found[relative] = (stat.st_size, stat.st_mtime_ns)
     return found
 
 
 def sync_back(
     files: WorkspaceFiles, workspace_id: str, workdir: str, manifest: Manifest
 ) -> Manifest:
-    """Upload what the kernel changed or created; delete what it removed."""
+    """Upload what the kernel changed or created; delete what it removed.
+
+    The kernel may still run: each file is read through the descriptor that was
+    checked to be a regular file below ``workdir``, and at most MAX_FILE_BYTES.
+    """
     if not os.path.isdir(workdir):
         return manifest
-    current = scan(workdir)
-    for path, stamp in current.items():
-        if manifest.get(path) == stamp:
-            continue
-        if stamp[0] > MAX_FILE_BYTES:
+    current: Manifest = {}
+    for path, dir_fd, name in _entries(workdir):
+        with beneath.open_regular(dir_fd, name) as opened:
+            if opened is None:
+                continue
+            fd, stat = opened
+            stamp = (stat.st_size, stat.st_mtime_ns)
+            current[path] = stamp
+            if manifest.get(path) == stamp:
+                continue
+            data = beneath.read_fd(fd, MAX_FILE_BYTES)
+        if data is None:
             log.warning("not syncing %s: larger than %d bytes", path, MAX_FILE_BYTES)
             continue
-        with open(os.path.join(workdir, path), "rb") as handle:
-            data = handle.read()
         try:
             files.put(workspace_id, path, data)
         except DomainError as exc:  # e.g. a notebook saved half-written, or a bad name

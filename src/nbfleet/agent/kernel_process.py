@@ -146,6 +146,9 @@ class KernelProcess:
         self.extra_arguments = list(extra_arguments)
         #: Where the state-capture extension writes (None: this kernel captures nothing).
         self.state_dir: str | None = None
+        #: A directory of the agent's beside it, where a snapshot is downloaded before
+        #: it is renamed into ``state_dir`` (the kernel cannot reach it).
+        self.staging_root: str | None = None
         self._ready = asyncio.Event()
         #: Client messages that arrived while the kernel was (re)starting.
         self._held: list[tuple[Client, ClientMessage]] = []

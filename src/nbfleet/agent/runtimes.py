@@ -123,7 +123,8 @@ class RuntimeManager:
         runtime = placed.runtime
         try:
             runtime.manifest, placed.packages = await asyncio.gather(
-                asyncio.to_thread(filesync.materialize, self.files, workspace_id, slot.files),
+                asyncio.to_thread(filesync.materialize, self.files, workspace_id, slot.files,
+                                  slot.owner),
                 asyncio.to_thread(self._restore_layer, workspace_id, packages, slot),
             )
             await asyncio.to_thread(slot.hand_over)
@@ -283,8 +284,8 @@ class RuntimeManager:
                 await asyncio.to_thread(filesync.remove_local, runtime.workdir, path)
                 runtime.manifest.pop(path, None)
             else:
-                runtime.manifest[path] = filesync.write_local(runtime.workdir, path, data)
-                runtime.slot.hand_over_file(path)
+                runtime.manifest[path] = await asyncio.to_thread(
+                    filesync.write_local, runtime.workdir, path, data, runtime.slot.owner)
 
     async def shutdown(self) -> None:
         """Agent exit: stop every kernel and save what the kernels wrote."""

@@ -152,15 +152,10 @@ class Slot:
         for owned in (path,) if path else self.owned:
             hand_over(owned, self.identity)
 
-    def hand_over_file(self, relative: str) -> None:
-        """Give one file the agent wrote under ``files/``, and the directories it
-        made for it, to the sandbox's uid."""
-        if self.identity is None:
-            return
-        path = os.path.join(self.files, relative)
-        while path != self.files and path.startswith(self.files):
-            os.lchown(path, self.identity.uid, self.identity.gid)
-            path = os.path.dirname(path)
+    @property
+    def owner(self) -> tuple[int, int] | None:
+        """The sandbox's (uid, gid) when it runs as a uid of its own."""
+        return (self.identity.uid, self.identity.gid) if self.identity else None
 
     def apply(self, limits: Limits) -> None:
         """Change a live slot's limits (a warm slot claimed by a workspace whose
@@ -227,5 +222,6 @@ def new_kernel(slot: Slot, kernel_id: str, workspace_id: str, name: str,
                            readonly=(slot.root,), ipc_dir=slot.ipc, extra_arguments=extra,
                            tmp=slot.tmp, identity=slot.identity, cgroup=slot.cgroup)
     kernel.state_dir = state_dir if extra else None
+    kernel.staging_root = slot.root
     kernel.death_reason = slot.death_reason
     return kernel

@@ -13,14 +13,18 @@ import contextlib
 import json
 import logging
 import os
+import shutil
+import stat
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from nbfleet.agent.kernel_process import KernelProcess
 from nbfleet.model.errors import SuspendFailed
+from nbfleet.storage import beneath
 from nbfleet.storage.blobs import BlobStore
-from nbfleet.storage.snapshots import CorruptSnapshot, clear_dir, download_state, upload_state
+from nbfleet.storage.snapshots import CorruptSnapshot, download_state, upload_state
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +34,7 @@ FLUSH_TIMEOUT_S = 300.0
 #: what is left is loading values, and code that never yields to a signal.
 RESTORE_TIMEOUT_S = 300.0
 INTERRUPT_GRACE_S = 10.0
+REPORT_LIMIT = 64 << 20
 #: Seconds all replays of one kernel may take on resume (the kernel stops them).
 REPLAY_BUDGET_ENV = "NBFLEET_REPLAY_BUDGET_S"
 DEFAULT_REPLAY_BUDGET_S = 10.0
@@ -118,17 +123,16 @@ async def restore(store: BlobStore, workspace_id: str, kernel: KernelProcess,
                               "files_only": False, "error": None}
     if key is not None and kernel.state_dir is not None:
         try:
-            await asyncio.to_thread(clear_dir, kernel.state_dir)
-            report["bytes"] = await asyncio.to_thread(
-                download_state, store, workspace_id, key, kernel.state_dir)
-            await asyncio.to_thread(kernel.own, kernel.state_dir)
+            report["bytes"] = await asyncio.to_thread(_install, store, workspace_id, key,
+                                                      kernel)
             await _run(kernel, restore_code(replay_budget_s()), RESTORE_TIMEOUT_S)
             report.update(await asyncio.to_thread(_read_report, kernel.state_dir))
         except TimeoutError:  # an OSError too: before the clause that calls it corrupt
             report.update(await _stop_restore(kernel))
         except (CorruptSnapshot, KernelFailed, ValueError, OSError) as exc:
             log.warning("snapshot %s of %s is unusable: %s", key, workspace_id, exc)
-            await asyncio.to_thread(clear_dir, kernel.state_dir)
+            with contextlib.suppress(OSError):
+                await asyncio.to_thread(_install, None, workspace_id, None, kernel)
             report.update(files_only=True, error=f"corrupt snapshot: {exc}"[:500])
     report["seconds"] = round(time.perf_counter() - started, 4)
     message = describe(report)
@@ -160,9 +164,46 @@ async def _stop_restore(kernel: KernelProcess) -> dict[str, Any]:
                      "the kernel did not stop and was restarted"}
 
 
+def _install(store: BlobStore | None, workspace_id: str, key: str | None,
+             kernel: KernelProcess) -> int:
+    """Put a snapshot (None: nothing) in place as the kernel's state directory.
+
+    The kernel owns its state directory and may already run code (a
+    ``sitecustomize`` in its package layer), so the snapshot is downloaded where it
+    cannot reach (beside the slot's root, the agent's), then renamed into place:
+    the agent never writes through a link the kernel planted. Returns its size.
+    """
+    assert kernel.state_dir is not None and kernel.staging_root is not None
+    staging = os.path.join(kernel.staging_root, f".restore-{uuid.uuid4().hex[:12]}")
+    os.mkdir(staging, 0o755)
+    try:
+        size = 0
+        if store is not None and key is not None:
+            size = download_state(store, workspace_id, key, staging)
+        parent, name = os.path.split(kernel.state_dir)
+        with beneath.directory(parent) as folder:
+            with contextlib.suppress(FileNotFoundError):
+                if stat.S_ISDIR(os.stat(name, dir_fd=folder, follow_symlinks=False).st_mode):
+                    shutil.rmtree(name, dir_fd=folder)
+                else:
+                    os.unlink(name, dir_fd=folder)
+            os.rename(staging, name, dst_dir_fd=folder)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    kernel.own(kernel.state_dir)
+    return size
+
+
 def _read_report(state_dir: str) -> dict[str, Any]:
-    with open(os.path.join(state_dir, "restore-report.json")) as handle:
-        body = json.load(handle)
+    """What the kernel wrote about its restore (it owns the file: read it through a
+    checked descriptor, bounded)."""
+    with beneath.directory(state_dir) as folder, \
+            beneath.open_regular(folder, "restore-report.json") as opened:
+        raw = beneath.read_fd(opened[0], REPORT_LIMIT) if opened else None
+    if raw is None:
+        raise ValueError("the restore report is missing or too large")
+    body = json.loads(raw)
     return {k: body[k] for k in ("restored", "recomputed", "lost", "imports") if k in body}
 
 

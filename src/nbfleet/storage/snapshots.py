@@ -21,17 +21,19 @@ import io
 import json
 import os
 import secrets
-import shutil
 import tarfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from nbfleet.model.errors import NotFound
+from nbfleet.storage import beneath
 from nbfleet.storage.blobs import BlobStore
 from nbfleet.storage.files import workspace_prefix
 
 MANIFEST = "manifest.json"
+#: A kernel's manifest (names, small values inline) is read whole: bounded.
+MAX_MANIFEST_BYTES = 256 << 20
 _PARALLEL = 4
 _CHUNK = 4 * 1024 * 1024
 
@@ -73,18 +75,29 @@ def _referenced(manifest: dict[str, Any]) -> list[str]:
 
 
 def upload_state(store: BlobStore, workspace_id: str, kernel_id: str, state_dir: str) -> Uploaded:
-    """Upload a kernel's flushed state; the manifest goes last."""
-    with open(os.path.join(state_dir, MANIFEST), "rb") as handle:
-        raw = handle.read()
+    """Upload a kernel's flushed state; the manifest goes last.
+
+    The kernel owns ``state_dir`` and may still run: each file is opened without
+    following a link and uploaded through that descriptor.
+    """
+    with beneath.directory(state_dir) as top, beneath.open_regular(top, MANIFEST) as opened:
+        if opened is None:
+            raise CorruptSnapshot("the kernel's manifest is not a regular file")
+        raw = beneath.read_fd(opened[0], MAX_MANIFEST_BYTES)
+    if raw is None:
+        raise CorruptSnapshot("the kernel's manifest is too large")
     blobs = _referenced(json.loads(raw))
 
     def upload(digest: str) -> tuple[int, int]:
-        local = os.path.join(state_dir, "blobs", digest)
-        size = os.path.getsize(local)
         key = cas_key(workspace_id, digest)
-        if store.exists(key):
-            return size, 0
-        store.put_file(key, local)
+        with beneath.directory(state_dir, ["blobs"]) as folder, \
+                beneath.open_regular(folder, digest) as blob:
+            if blob is None:
+                raise CorruptSnapshot(f"blob {digest[:12]} is not a regular file")
+            size = blob[1].st_size
+            if store.exists(key):
+                return size, 0
+            store.put_file(key, beneath.fd_path(blob[0]))
         return size, size
 
     with ThreadPoolExecutor(_PARALLEL) as pool:
@@ -128,38 +141,31 @@ def download_state(store: BlobStore, workspace_id: str, key: str, state_dir: str
 
 
 # ---------------------------------------------------------------- package layers
-def _layer_members(root: str) -> list[str]:
-    members: list[str] = []
-    for base, dirs, names in os.walk(root):
-        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
-        members += [os.path.join(base, n) for n in sorted(names) if not n.endswith(".pyc")]
-    return members
-
-
 def pack_layer(root: str) -> bytes | None:
     """A deterministic tar of a package directory: same files, same bytes, same key.
 
     Bytecode caches are left out (they are rebuilt) and times are zeroed, so an
-    unchanged layer hashes the same and is never stored twice.
+    unchanged layer hashes the same and is never stored twice. The kernel owns the
+    directory and may still run: links are left out (a layer holds files, never
+    links out of itself) and each file is read through a checked descriptor.
     """
-    if not os.path.isdir(root):
-        return None
-    members = _layer_members(root)
-    if not members:
-        return None
     buffer = io.BytesIO()
+    packed = 0
     with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for path in members:
-            if os.path.islink(path):
-                continue  # a layer holds files, never links out of itself
-            info = tar.gettarinfo(path, arcname=os.path.relpath(path, root))
-            info.mtime = 0
-            info.uid = info.gid = 0
-            info.uname = info.gname = ""
-            info.mode = 0o755 if info.mode & 0o111 else 0o644
-            with open(path, "rb") as handle:
-                tar.addfile(info, handle)
-    return buffer.getvalue()
+        for relative, dir_fd, name in beneath.files(root, frozenset({"__pycache__"})):
+            if name.endswith(".pyc"):
+                continue
+            with beneath.open_regular(dir_fd, name) as opened:
+                if opened is None:
+                    continue
+                fd, st = opened
+                info = tarfile.TarInfo(relative)
+                info.size, info.mtime = st.st_size, 0
+                info.mode = 0o755 if st.st_mode & 0o111 else 0o644
+                with os.fdopen(os.dup(fd), "rb") as handle:
+                    tar.addfile(info, handle)
+                packed += 1
+    return buffer.getvalue() if packed else None
 
 
 def store_layer(store: BlobStore, workspace_id: str, root: str) -> str | None:
@@ -186,8 +192,3 @@ def restore_layer(store: BlobStore, workspace_id: str, key: str, root: str) -> N
     os.makedirs(root, exist_ok=True)
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
         tar.extractall(root, filter="data")  # refuses links and paths that escape
-
-
-def clear_dir(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)
-    os.makedirs(path, exist_ok=True)

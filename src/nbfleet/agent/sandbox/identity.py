@@ -13,9 +13,10 @@ and rely on the namespaces alone (the start-up report says so).
 
 from __future__ import annotations
 
-import os
 import secrets
 from dataclasses import dataclass
+
+from nbfleet.storage.beneath import chown_tree
 
 #: 2^20 .. 2^31 - 2^20: far above the ids that useradd and systemd's dynamic users give.
 SANDBOX_UIDS = range(1 << 20, (1 << 31) - (1 << 20))
@@ -46,12 +47,8 @@ class Identities:
 
 
 def hand_over(path: str, identity: Identity | None) -> None:
-    """Make ``path`` (recursively, links not followed) the sandbox's own, so the
-    kernel may change what the agent wrote for it."""
-    if identity is None:
-        return
-    os.lchown(path, identity.uid, identity.gid)
-    if os.path.isdir(path) and not os.path.islink(path):
-        for root, dirs, files in os.walk(path):
-            for name in (*dirs, *files):
-                os.lchown(os.path.join(root, name), identity.uid, identity.gid)
+    """Make ``path`` (recursively) the sandbox's own, so the kernel may change what
+    the agent wrote for it; links are changed themselves, never followed, so a link
+    the kernel planted hands nothing else over."""
+    if identity is not None:
+        chown_tree(path, (identity.uid, identity.gid))
