@@ -193,3 +193,25 @@ def _check_covered(closed: str, slot: str) -> None:
     assert argv.index(closed) < argv.index(slot)
     unprivileged = Sandbox("/usr/bin/bwrap", ()).wrap(["true"], [slot], "/")
     assert closed not in unprivileged  # the agent's own uid passes through its own dirs
+
+
+@pytest.mark.skipif(not HAVE_BWRAP, reason="bubblewrap is not installed")
+def test_a_hidden_file_reads_empty_in_the_sandbox() -> None:
+    """A --secret-file outside the agent's home is hidden file by file."""
+    top = Path(tempfile.mkdtemp(dir="/var/tmp"))
+    try:
+        secret = top / "cluster-secret"
+        secret.write_text("s3cret")
+        secret.chmod(0o644)  # even where the sandbox's uid could read it
+        top.chmod(0o755)
+        isolation = open_isolation("bwrap", [str(secret)], str(top / "state"),
+                                   f"host_t{os.getpid()}")
+        isolation.close()
+        assert isolation.sandbox is not None
+        identity = isolation.identities.allocate() if isolation.identities else None
+        argv = isolation.sandbox.wrap(["/bin/cat", str(secret)], [], "/", identity=identity)
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout == ""
+    finally:
+        shutil.rmtree(top)

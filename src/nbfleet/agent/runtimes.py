@@ -18,7 +18,7 @@ from nbfleet.agent import filesync, statesync
 from nbfleet.agent.kernel_process import KernelProcess
 from nbfleet.agent.sandbox import Isolation
 from nbfleet.agent.slots import Slot, new_kernel
-from nbfleet.agent.warmpool import WarmPool
+from nbfleet.agent.warmpool import Warm, WarmPool
 from nbfleet.model.errors import Conflict, NotFound, SuspendFailed
 from nbfleet.model.limits import Limits
 from nbfleet.storage.files import WorkspaceFiles
@@ -115,8 +115,8 @@ class RuntimeManager:
         # its own gets a slot of its own.
         fits = limits.disk_bytes == self.isolation.limits.disk_bytes
         warm = self.pool.claim(kernels[0][1]) if kernels and fits else None
-        if warm is not None:
-            await asyncio.to_thread(warm.slot.apply, limits)
+        if warm is not None and not await self._fit(warm, limits):
+            warm = None
         slot = warm.slot if warm else await asyncio.to_thread(self.new_slot, workspace_id,
                                                                 limits)
         placed = Placed(Runtime(workspace_id, generation, slot))
@@ -165,15 +165,29 @@ class RuntimeManager:
             fits = runtime.slot.limits.disk_bytes == self.isolation.limits.disk_bytes
             if not runtime.kernels and fits:
                 warm = self.pool.claim(name)
-                if warm is not None:  # move the runtime into the warm kernel's slot
-                    await asyncio.to_thread(warm.slot.apply, runtime.slot.limits)
-                    await asyncio.to_thread(warm.slot.adopt, runtime.slot)
+                if warm is not None and await self._fit(warm, runtime.slot.limits,
+                                                        adopt=runtime.slot):
+                    # The runtime now lives in the warm kernel's slot.
                     await asyncio.to_thread(runtime.slot.remove)
                     runtime.slot = warm.slot
                     warm.kernel.rename(kernel_id, workspace_id)
                     self._register(runtime, warm.kernel)
                     return warm.kernel
             return await self._start_kernel(runtime, kernel_id, name)
+
+    async def _fit(self, warm: Warm, limits: Limits, adopt: Slot | None = None) -> bool:
+        """Give a claimed warm slot the workspace's limits (and, with ``adopt``, its
+        files); a warm slot that cannot take them is thrown away, and the caller
+        starts a kernel cold, the workspace's own slot untouched."""
+        try:
+            await asyncio.to_thread(warm.slot.apply, limits)
+            if adopt is not None:
+                await asyncio.to_thread(warm.slot.adopt, adopt)
+        except OSError as exc:
+            log.warning("warm slot %s not used: %s", warm.slot.name, exc)
+            await self.pool.discard(warm)
+            return False
+        return True
 
     async def _start_kernel(self, runtime: Runtime, kernel_id: str, name: str) -> KernelProcess:
         kernel = new_kernel(runtime.slot, kernel_id, runtime.workspace_id, name, self.sandbox)

@@ -190,11 +190,19 @@ class Slot:
             self.identities.release(self.identity)
 
     def adopt(self, other: Slot) -> None:
-        """Move another slot's files and packages here (a copy where the two slots
-        are separate filesystems), owned by this slot's uid."""
+        """Take another slot's files and packages (a slot with no kernel running),
+        owned by this slot's uid: renamed where both slots share a filesystem, else
+        copied, so that a copy that fails (this slot's quota) leaves ``other`` whole."""
         for mine, theirs in ((self.files, other.files), (self.packages, other.packages)):
+            same = os.stat(mine).st_dev == os.stat(theirs).st_dev
             for entry in os.listdir(theirs):
-                shutil.move(os.path.join(theirs, entry), os.path.join(mine, entry))
+                source, target = os.path.join(theirs, entry), os.path.join(mine, entry)
+                if same:
+                    os.replace(source, target)
+                elif os.path.isdir(source) and not os.path.islink(source):
+                    shutil.copytree(source, target, symlinks=True)
+                else:
+                    shutil.copy2(source, target, follow_symlinks=False)
         self.hand_over()
 
 

@@ -108,6 +108,10 @@ class WarmPool:
             raise
         return Warm(slot, kernel)
 
+    async def discard(self, warm: Warm) -> None:
+        """Stop a claimed kernel that will not be used, and remove its slot."""
+        await self._discard(warm)
+
     async def _discard(self, warm: Warm) -> None:
         await warm.kernel.shutdown()
         await asyncio.to_thread(warm.slot.remove)

@@ -431,7 +431,8 @@ def agent(
     serving = agent_server(
         AgentConfig(control_url=control_url.rstrip("/"), secret=secret,
                     state_dir=state_dir or str(state / "agent"), gpus=gpus,
-                    release_delay_s=release_delay, sandbox=sandbox, hidden_paths=[str(state)],
+                    release_delay_s=release_delay, sandbox=sandbox,
+                    hidden_paths=[str(state), *([secret_file] if secret_file else [])],
                     warm_pool=warm_pool, job_heartbeat_s=job_heartbeat, limits=limits,
                     cgroup_parent=cgroup_parent),
         sock, log_level,

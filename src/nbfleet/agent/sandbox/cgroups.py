@@ -78,10 +78,18 @@ class Cgroup:
             return
         memory = self._dir("memory")
         value = str(limits.memory_bytes or -1)
-        _write(f"{memory}/memory.limit_in_bytes", value)
-        if os.path.exists(f"{memory}/memory.memsw.limit_in_bytes"):
-            with contextlib.suppress(OSError):  # must stay >= the memory limit
-                _write(f"{memory}/memory.memsw.limit_in_bytes", value)
+        memsw = f"{memory}/memory.memsw.limit_in_bytes"
+        if not os.path.exists(memsw):
+            _write(f"{memory}/memory.limit_in_bytes", value)
+        else:
+            # memory+swap must stay >= memory: raise it first, lower it last.
+            try:
+                _write(f"{memory}/memory.limit_in_bytes", value)
+            except OSError:
+                _write(memsw, value)
+                _write(f"{memory}/memory.limit_in_bytes", value)
+            else:
+                _write(memsw, value)
         cpu = self._dir("cpu")
         _write(f"{cpu}/cpu.cfs_period_us", str(CPU_PERIOD_US))
         _write(f"{cpu}/cpu.cfs_quota_us",

@@ -53,6 +53,9 @@ class Sandbox:
     #: The compiled filter (``seccomp.write_filter``); None where libseccomp is missing.
     seccomp: str | None = None
     setpriv: str = "/usr/bin/setpriv"
+    #: An empty file of the agent's, bound over hidden files (a device node such as
+    #: /dev/null cannot be: bubblewrap's binds are nodev).
+    empty_file: str | None = None
 
     def wrap(self, argv: list[str], visible: list[str], workdir: str, *,
              tmp: str | None = None, identity: Identity | None = None,
@@ -124,6 +127,8 @@ class Sandbox:
             if not covered and os.path.isdir(path):
                 view += ["--perms", "0755", "--tmpfs", path]
                 covers.append(path)
+            elif not covered and os.path.isfile(path) and self.empty_file:
+                view += ["--ro-bind", self.empty_file, path]  # a secret file: an empty one
         # bubblewrap makes missing mount points 0700 (root's, then nobody's inside):
         # the sandbox uid could not pass through them, so make them 0755 first.
         parents = dict.fromkeys(parent for path in (*rebound, *visible)

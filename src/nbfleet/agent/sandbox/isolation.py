@@ -131,8 +131,13 @@ def _make_sandbox(hidden: list[str], state_dir: str,
     except (SeccompUnavailable, OSError) as exc:
         seccomp = None
         report["seccomp"] = (False, str(exc))
+    empty = os.path.join(state_dir, "empty")
+    if not os.path.exists(empty):
+        with open(empty, "w"):
+            pass
+        os.chmod(empty, 0o444)
     sandbox = Sandbox(bwrap, hide, readonly, privileged=privileged, seccomp=seccomp,
-                      setpriv=setpriv)
+                      setpriv=setpriv, empty_file=empty)
     identities = Identities() if privileged else None
     why = _works(sandbox, identities)
     if why is not None:

@@ -18,6 +18,7 @@ import logging
 import os
 import shutil
 import subprocess
+import threading
 from dataclasses import dataclass
 
 from nbfleet.model.errors import Conflict
@@ -78,6 +79,7 @@ class DiskQuotas:
     def __init__(self, images_dir: str, reserve_bytes: int = DEFAULT_RESERVE_BYTES) -> None:
         self.images_dir = images_dir
         self.reserve_bytes = reserve_bytes
+        self._reserving = threading.Lock()
 
     @classmethod
     def open(cls, images_dir: str, reserve_bytes: int = DEFAULT_RESERVE_BYTES) -> DiskQuotas:
@@ -102,19 +104,21 @@ class DiskQuotas:
     def create(self, name: str, mountpoint: str, size: int) -> Disk:
         """A fresh filesystem of ``size`` bytes mounted at ``mountpoint``."""
         image = os.path.join(self.images_dir, f"{name}.img")
-        free = shutil.disk_usage(self.images_dir).free
-        if free - size < self.reserve_bytes:
-            raise Conflict(f"this host cannot reserve {format_size(size)} of disk for a "
-                           f"workspace: {format_size(free)} free, and "
-                           f"{format_size(self.reserve_bytes)} stay reserved for the platform")
         os.makedirs(mountpoint, exist_ok=True)
         disk = Disk(image, mountpoint, size)
         try:
-            fd = os.open(image, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                os.posix_fallocate(fd, 0, size)
-            finally:
-                os.close(fd)
+            with self._reserving:  # two slots never both count the same free space
+                free = shutil.disk_usage(self.images_dir).free
+                if free - size < self.reserve_bytes:
+                    raise Conflict(
+                        f"this host cannot reserve {format_size(size)} of disk for a "
+                        f"workspace: {format_size(free)} free, and "
+                        f"{format_size(self.reserve_bytes)} stay reserved for the platform")
+                fd = os.open(image, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                finally:
+                    os.close(fd)
             _run("mkfs.ext4", *_MKFS, image)
             _run("mount", "-o", "loop,nosuid,nodev,noatime", image, mountpoint)
         except BaseException:
