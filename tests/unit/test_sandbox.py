@@ -74,6 +74,18 @@ def test_a_root_agent_drops_to_the_slots_uid_between_two_bubblewraps() -> None:
                                                            "/srv/agent/rt/s1"]
 
 
+def test_an_egress_sandbox_enters_its_namespace_instead_of_making_one() -> None:
+    sandbox = Sandbox("/usr/bin/bwrap", (), privileged=True, resolv_conf="/srv/resolv.conf")
+    argv = sandbox.wrap(["python"], [], "/w", netns="/run/netns/nbf-ws_1")
+    enter = argv.index("nsenter")
+    assert argv[enter:enter + 3] == ["nsenter", "--net=/run/netns/nbf-ws_1", "--"]
+    assert enter < argv.index("/usr/bin/bwrap")  # entered as root, before any bwrap
+    assert "--unshare-net" not in argv
+    bind = argv.index("/etc/resolv.conf")
+    assert argv[bind - 2:bind] == ["--ro-bind", "/srv/resolv.conf"]
+    assert "--unshare-net" in sandbox.wrap(["python"], [], "/w")  # everyone else: none
+
+
 def test_mount_points_inside_hidden_directories_are_made_passable() -> None:
     covers = ["/tmp", "/root"]
     assert _parents_inside("/root/.pyenv/versions/3.11", covers) == (

@@ -54,6 +54,8 @@ class EnsureRuntime(BaseModel):
     packages: str | None = None
     #: The project's own limits; unset fields take the agent's defaults.
     limits: LimitsBody | None = None
+    #: "egress": kernels reach the public internet; "none": no network.
+    network: Literal["none", "egress"] = "none"
 
 
 class Suspend(BaseModel):
@@ -123,6 +125,7 @@ def create_agent_app(service: AgentService) -> FastAPI:
             workspace_id, body.generation, [(k.id, k.name) for k in body.kernels],
             body.snapshot, body.packages,
             Limits.from_dict(body.limits.model_dump()) if body.limits else None,
+            body.network,
         )
         return {"kernels": [k.model() for k in placed.runtime.kernels.values()],
                 "restore": placed.restore, "packages": placed.packages}

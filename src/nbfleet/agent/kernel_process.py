@@ -90,6 +90,7 @@ class SandboxedKernelManager(AsyncKernelManager):
     tmp: str | None = None
     identity: Identity | None = None
     cgroup: Cgroup | None = None
+    netns: str | None = None
 
     def format_kernel_cmd(self, extra_arguments: list[str] | None = None) -> list[str]:
         argv: list[str] = super().format_kernel_cmd(extra_arguments)
@@ -97,7 +98,7 @@ class SandboxedKernelManager(AsyncKernelManager):
             return argv
         return self.sandbox.wrap(argv, self.visible, self.visible[0], tmp=self.tmp,
                                  identity=self.identity, cgroup=self.cgroup,
-                                 readonly=self.readonly)
+                                 readonly=self.readonly, netns=self.netns)
 
     def write_connection_file(self, **kwargs: Any) -> None:
         """The file (0600, with the kernel's key) must be readable by the sandbox's uid."""
@@ -124,6 +125,7 @@ class KernelProcess:
         tmp: str | None = None,
         identity: Identity | None = None,
         cgroup: Cgroup | None = None,
+        netns: str | None = None,
     ) -> None:
         """``connection_dir`` holds the kernel's IPC sockets: keep its path short
         (a socket path must fit in 107 bytes). ``visible`` lists the directories,
@@ -174,6 +176,7 @@ class KernelProcess:
         self.manager.visible = [workdir, ipc_dir or connection_dir, *visible]
         self.manager.readonly = [*readonly, connection_dir] if ipc_dir else [*readonly]
         self.manager.tmp, self.manager.identity, self.manager.cgroup = tmp, identity, cgroup
+        self.manager.netns = netns
         #: Asked when the kernel dies by itself: why, when the platform knows (e.g.
         #: its memory limit). The answer is told to the notebook and the agent.
         self.death_reason: Callable[[], str | None] = lambda: None

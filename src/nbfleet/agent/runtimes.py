@@ -70,8 +70,9 @@ class RuntimeManager:
         #: (a suspend, after its uploads and before it answers).
         self.release_delay_s = release_delay_s
 
-    def new_slot(self, name: str, limits: Limits | None = None) -> Slot:
-        return Slot.create(self.runtimes_dir, self.sockets_dir, name, self.isolation, limits)
+    def new_slot(self, name: str, limits: Limits | None = None, network: str = "none") -> Slot:
+        return Slot.create(self.runtimes_dir, self.sockets_dir, name, self.isolation, limits,
+                           network)
 
     def _lock(self, workspace_id: str) -> asyncio.Lock:
         return self._locks.setdefault(workspace_id, asyncio.Lock())
@@ -89,7 +90,8 @@ class RuntimeManager:
     async def ensure(self, workspace_id: str, generation: int,
                      kernels: Iterable[tuple[str, str]],
                      snapshot: dict[str, str] | None = None,
-                     packages: str | None = None, limits: Limits | None = None) -> Placed:
+                     packages: str | None = None, limits: Limits | None = None,
+                     network: str = "none") -> Placed:
         """Make the runtime exist with these kernels running (idempotent).
 
         A new runtime gets the workspace's files, its package layer and each
@@ -102,7 +104,8 @@ class RuntimeManager:
             runtime = self.runtimes.get(workspace_id)
             if runtime is None:
                 return await self._place(workspace_id, generation, wanted, snapshot or {},
-                                         packages, self.isolation.limits.over(limits))
+                                         packages, self.isolation.limits.over(limits),
+                                         network)
             runtime.generation = generation
             for kernel_id, name in wanted:
                 if kernel_id not in runtime.kernels:
@@ -110,15 +113,16 @@ class RuntimeManager:
             return Placed(runtime)
 
     async def _place(self, workspace_id: str, generation: int, kernels: list[tuple[str, str]],
-                     snapshot: dict[str, str], packages: str | None, limits: Limits) -> Placed:
-        # A warm slot's disk was made at the default size: a project with a quota of
-        # its own gets a slot of its own.
-        fits = limits.disk_bytes == self.isolation.limits.disk_bytes
+                     snapshot: dict[str, str], packages: str | None, limits: Limits,
+                     network: str) -> Placed:
+        # A warm slot's disk was made at the default size, and it has no network: a
+        # project with a quota of its own, or with internet access, gets its own slot.
+        fits = limits.disk_bytes == self.isolation.limits.disk_bytes and network == "none"
         warm = self.pool.claim(kernels[0][1]) if kernels and fits else None
         if warm is not None and not await self._fit(warm, limits):
             warm = None
         slot = warm.slot if warm else await asyncio.to_thread(self.new_slot, workspace_id,
-                                                                limits)
+                                                                limits, network)
         placed = Placed(Runtime(workspace_id, generation, slot))
         runtime = placed.runtime
         try:
@@ -162,7 +166,8 @@ class RuntimeManager:
                 raise Conflict(f"workspace {workspace_id} has no runtime on this host")
             if kernel_id in runtime.kernels:
                 return runtime.kernels[kernel_id]
-            fits = runtime.slot.limits.disk_bytes == self.isolation.limits.disk_bytes
+            fits = (runtime.slot.limits.disk_bytes == self.isolation.limits.disk_bytes
+                    and runtime.slot.network == "none")
             if not runtime.kernels and fits:
                 warm = self.pool.claim(name)
                 if warm is not None and await self._fit(warm, runtime.slot.limits,

@@ -26,6 +26,7 @@ from jupyter_client.kernelspec import KernelSpecManager
 from nbfleet.agent.kernel_process import KernelProcess
 from nbfleet.agent.sandbox import Isolation, Sandbox
 from nbfleet.agent.sandbox.cgroups import Cgroup
+from nbfleet.agent.sandbox.egress import Netns
 from nbfleet.agent.sandbox.identity import Identities, Identity, hand_over
 from nbfleet.agent.sandbox.quota import Disk, unmount
 from nbfleet.model.limits import Limits, format_size
@@ -74,11 +75,14 @@ class Slot:
     identities: Identities | None = None
     #: A tmpfs mounted on the socket directory (root agents with quotas).
     ipc_mount: bool = False
+    #: The network namespace with internet access (a project in egress mode).
+    netns: Netns | None = None
     _oom_seen: int = 0
 
     @classmethod
     def create(cls, runtimes_dir: str, sockets_dir: str, name: str,
-               isolation: Isolation | None = None, limits: Limits | None = None) -> Slot:
+               isolation: Isolation | None = None, limits: Limits | None = None,
+               network: str = "none") -> Slot:
         """Make the slot's directories, and with ``isolation`` its uid, cgroup and disk.
 
         Half-made slots are removed again: nothing is left behind on failure.
@@ -106,6 +110,8 @@ class Slot:
                 # from storing anything else there, past its disk quota.
                 slot.ipc_mount = isolation.quotas.small_tmpfs(slot.ipc, slot.identity.uid)
             slot.hand_over()
+            if network == "egress" and isolation.egress is not None:
+                slot.netns = isolation.egress.create(name)
             if isolation.cgroups is not None:
                 slot.cgroup = isolation.cgroups.create(name, limits)
                 slot._oom_seen = slot.cgroup.oom_kills()
@@ -177,7 +183,13 @@ class Slot:
         return ("the kernel was stopped: it used its "
                 f"{format_size(limit) if limit else 'whole'} memory limit")
 
+    @property
+    def network(self) -> str:
+        return "egress" if self.netns is not None else "none"
+
     def remove(self) -> None:
+        if self.netns is not None:
+            self.netns.remove()
         if self.ipc_mount:
             unmount(self.ipc)
         if self.disk is not None:
@@ -228,7 +240,8 @@ def new_kernel(slot: Slot, kernel_id: str, workspace_id: str, name: str,
     kernel = KernelProcess(kernel_id, workspace_id, name, slot.files, env, slot.sockets,
                            sandbox=sandbox, visible=(slot.home, slot.packages, slot.state),
                            readonly=(slot.root,), ipc_dir=slot.ipc, extra_arguments=extra,
-                           tmp=slot.tmp, identity=slot.identity, cgroup=slot.cgroup)
+                           tmp=slot.tmp, identity=slot.identity, cgroup=slot.cgroup,
+                           netns=slot.netns.path if slot.netns else None)
     kernel.state_dir = state_dir if extra else None
     kernel.staging_root = slot.root
     kernel.death_reason = slot.death_reason

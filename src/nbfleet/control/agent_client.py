@@ -40,10 +40,13 @@ class AgentClient:
     async def ensure_runtime(self, base: str, workspace_id: str, generation: int,
                              kernels: list[dict[str, str]],
                              snapshot: dict[str, Any] | None = None,
-                             limits: dict[str, Any] | None = None) -> Any:
+                             limits: dict[str, Any] | None = None,
+                             network: str | None = None) -> Any:
         body: dict[str, Any] = {"generation": generation, "kernels": kernels}
         if limits:
             body["limits"] = limits
+        if network:
+            body["network"] = network
         if snapshot:
             body["snapshot"] = {kid: k["key"] for kid, k in snapshot.get("kernels", {}).items()}
             body["packages"] = snapshot.get("packages")

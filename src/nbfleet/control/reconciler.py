@@ -65,6 +65,8 @@ class Work:
     snapshot: dict[str, Any] | None
     #: The project's own kernel limits (None: the agent's defaults).
     limits: dict[str, Any] | None = None
+    #: The project's network mode for its kernels (None: no network).
+    network: str | None = None
 
 
 class Reconciler:
@@ -188,12 +190,13 @@ class Reconciler:
                     select(Kernel).where(Kernel.workspace_id == ws.id).order_by(Kernel.created_at)
                 ).scalars()
             )
-            limits = None
+            limits = network = None
             if step.action is Action.PLACE:
                 project = session.get(Project, ws.project_id)
-                limits = project.kernel_limits if project is not None else None
+                if project is not None:
+                    limits, network = project.kernel_limits, project.kernel_network
             return Work(ws.id, step, ws.generation, WorkspaceState(ws.state),
-                        host.url if host else None, kernels, ws.snapshot, limits)
+                        host.url if host else None, kernels, ws.snapshot, limits, network)
 
     def _finish(self, work: Work, result: Any) -> bool:
         """Settle the step; True if the workspace still has work to do."""
@@ -250,7 +253,7 @@ class Reconciler:
             return await agents.ensure_runtime(
                 work.host_url, work.workspace_id, work.generation,
                 [{"id": kid, "name": name} for kid, name in work.kernels], work.snapshot,
-                work.limits,
+                work.limits, work.network,
             )
         result: Any = None
         if work.host_url is not None:

@@ -121,13 +121,15 @@ def _locked_project(session: Session, org_name: str, project_name: str) -> Proje
 
 
 def set_project_settings(db: Database, org_name: str, project_name: str,
-                         idle_suspend_s: int | None, limits: Limits) -> None:
-    """A project's own idle-suspend timeout (None: the platform default, 0: never) and
-    kernel limits (each None field: the platform default)."""
+                         idle_suspend_s: int | None, limits: Limits,
+                         network: str | None = None) -> None:
+    """A project's own idle-suspend timeout (None: the platform default, 0: never),
+    kernel limits (each None field: the platform default) and network mode."""
     with db.transaction() as session:
         project = _locked_project(session, org_name, project_name)
         project.idle_suspend_s = idle_suspend_s
         project.kernel_limits = limits.as_dict() if limits != Limits() else None
+        project.kernel_network = network if network == "egress" else None
 
 
 def set_job_settings(db: Database, org_name: str, project_name: str, weight: float,

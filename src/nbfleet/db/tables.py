@@ -47,6 +47,9 @@ class Project(Base):
     #: The project's own kernel limits (``model.limits.Limits.as_dict``; a None
     #: field, or no row value, takes the platform's default).
     kernel_limits: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
+    #: "egress": the project's kernels reach the public internet; None or "none":
+    #: no network at all.
+    kernel_network: Mapped[str | None] = mapped_column(String(16))
     #: GPU jobs: the project's fair-share weight, the GPUs preemption never takes
     #: it below, and caps on its running and queued jobs (None: no cap).
     job_weight: Mapped[float] = mapped_column(Float, default=1.0, server_default="1")

@@ -56,21 +56,28 @@ class Sandbox:
     #: An empty file of the agent's, bound over hidden files (a device node such as
     #: /dev/null cannot be: bubblewrap's binds are nodev).
     empty_file: str | None = None
+    #: Bound over /etc/resolv.conf in a namespace with internet access.
+    resolv_conf: str | None = None
 
     def wrap(self, argv: list[str], visible: list[str], workdir: str, *,
              tmp: str | None = None, identity: Identity | None = None,
              cgroup: Cgroup | None = None, devices: list[str] | None = None,
-             job: bool = False, readonly: list[str] | None = None) -> list[str]:
+             job: bool = False, readonly: list[str] | None = None,
+             netns: str | None = None) -> list[str]:
         """``argv`` inside the sandbox.
 
         ``visible`` are the directories bound writable (the slot, the socket
         directory); ``tmp`` becomes ``/tmp`` (else a small tmpfs); ``devices`` are
         device nodes to pass through (a job's GPUs); ``readonly`` more paths bound
-        back read-only (a job's binary under a hidden path). Under bwrap a child
-        killed by signal N ends the sandbox with exit status 128 + N.
+        back read-only (a job's binary under a hidden path); ``netns`` a network
+        namespace with internet access to enter instead of an empty one of its own
+        (``egress.py``). Under bwrap a child killed by signal N ends the sandbox with
+        exit status 128 + N.
         """
         view = self._view(visible, tmp, readonly or [])
-        inner = self._namespaces()
+        inner = self._namespaces(own_network=netns is None)
+        if netns is not None and self.resolv_conf is not None:
+            view += ["--ro-bind", self.resolv_conf, "/etc/resolv.conf"]
         if not self.privileged:
             command = [self.bwrap, *inner, "--ro-bind", "/", "/", "--proc", "/proc",
                        "--dev", "/dev", *view, *self._devices(devices or []), *self._tail(workdir)]
@@ -87,6 +94,8 @@ class Sandbox:
             command = [*outer, *drop, self.bwrap, *inner, "--bind", "/", "/",
                        "--proc", "/proc", "--dev", "/dev", *self._devices(devices or []),
                        *self._tail(workdir)]
+        if netns is not None:
+            command = ["nsenter", f"--net={netns}", "--", *command]
         if job:
             # bwrap ignores INT and TERM (ignoring survives exec) so that a stop gives
             # the binary its grace period; `env --default-signal` restores them for it.
@@ -141,9 +150,10 @@ class Sandbox:
             view += ["--bind", path, path]
         return view
 
-    def _namespaces(self) -> list[str]:
+    def _namespaces(self, own_network: bool = True) -> list[str]:
         flags = ["--unshare-user", "--uid", str(INNER_ID), "--gid", str(INNER_ID),
-                 "--disable-userns", "--unshare-pid", "--unshare-net", "--unshare-ipc",
+                 "--disable-userns", "--unshare-pid", "--unshare-ipc",
+                 *(["--unshare-net"] if own_network else []),
                  "--unshare-uts", "--hostname", "nbfleet", "--unshare-cgroup-try",
                  # In its PID namespace the kernel's parent is bubblewrap's init (pid
                  # 1), which ipykernel's parent poller takes for "my parent died".

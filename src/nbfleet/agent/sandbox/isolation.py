@@ -13,11 +13,12 @@ import os
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from nbfleet.agent.sandbox.cgroups import CgroupsUnavailable, CgroupTree
 from nbfleet.agent.sandbox.command import Sandbox, under
+from nbfleet.agent.sandbox.egress import Egress, EgressUnavailable
 from nbfleet.agent.sandbox.identity import Identities
 from nbfleet.agent.sandbox.quota import DiskQuotas, QuotasUnavailable
 from nbfleet.agent.sandbox.seccomp import SeccompUnavailable, write_filter
@@ -39,6 +40,8 @@ class Isolation:
     identities: Identities | None = None
     cgroups: CgroupTree | None = None
     quotas: DiskQuotas | None = None
+    #: Internet access for projects in egress mode (root agents only).
+    egress: Egress | None = None
     #: protection -> (active, what it does or why it is missing)
     report: dict[str, tuple[bool, str]] = field(default_factory=dict)
 
@@ -106,6 +109,14 @@ def open_isolation(mode: str, hidden: list[str], state_dir: str, agent_id: str,
     isolation.sandbox = sandbox
     isolation.identities = Identities() if sandbox.privileged else None
     _open_limits(isolation, state_dir, agent_id, cgroup_parent)
+    try:
+        isolation.egress = Egress.open(state_dir, agent_id)
+        isolation.sandbox = replace(sandbox, resolv_conf=isolation.egress.resolv_conf)
+        report["egress"] = (True, "projects in egress mode reach the public internet "
+                                  "(slirp4netns; private ranges, link-local and the host "
+                                  "refused)")
+    except (EgressUnavailable, OSError) as exc:
+        report["egress"] = (False, f"projects in egress mode get no network: {exc}")
     return isolation
 
 

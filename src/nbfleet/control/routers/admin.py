@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
@@ -53,6 +53,10 @@ class ProjectSettings(BaseModel):
     workspace_disk: str | None = Field(
         None, max_length=32, description="Disk quota of each of the project's workspaces, "
                                          "e.g. '20GiB' (applies from its next start)")
+    network: Literal["none", "egress"] | None = Field(
+        None, description="'egress': the project's kernels reach the public internet "
+                          "(never the platform's hosts or private ranges); 'none' or null: "
+                          "no network (applies from a workspace's next start)")
 
 
 @router.put("/orgs/{org}/projects/{project}/settings",
@@ -62,7 +66,7 @@ async def project_settings(org: str, project: str, body: ProjectSettings, reques
     limits = Limits.parse(body.kernel_memory, body.kernel_cpus, body.kernel_pids,
                           body.workspace_disk)
     await asyncio.to_thread(tenancy.set_project_settings, platform_of(request).db, org,
-                            project, body.idle_suspend_s, limits)
+                            project, body.idle_suspend_s, limits, body.network)
     return {"org": org, "project": project, **body.model_dump()}
 
 

@@ -1,4 +1,4 @@
-"""per-project kernel limits (memory, CPU, processes, disk)
+"""per-project kernel limits (memory, CPU, processes, disk) and network mode
 
 Revision ID: 0005
 Revises: 0004
@@ -19,8 +19,10 @@ depends_on = None
 def upgrade() -> None:
     with op.batch_alter_table('projects') as batch:
         batch.add_column(sa.Column('kernel_limits', sa.JSON(), nullable=True))
+        batch.add_column(sa.Column('kernel_network', sa.String(length=16), nullable=True))
 
 
 def downgrade() -> None:
     with op.batch_alter_table('projects') as batch:
+        batch.drop_column('kernel_network')
         batch.drop_column('kernel_limits')
