@@ -404,7 +404,9 @@ class KernelProcess:
                 return
             if message.msg_type == "status" and self._ready.is_set():
                 state = json.loads(message.content_raw).get("execution_state")
-                if isinstance(state, str):
+                # A "starting" that arrives once the kernel answered is its start-up
+                # announcement, late: it says nothing about a cell running.
+                if isinstance(state, str) and state != "starting":
                     self._set_state(state)
             self._touch()
             self._broadcast(message)

@@ -60,12 +60,16 @@ class EgressUnavailable(RuntimeError):
 class Netns:
     name: str
     slirp: subprocess.Popen[bytes]
+    #: Closing it ends slirp4netns (``--exit-fd``), also when the agent dies.
+    lifeline: int
 
     @property
     def path(self) -> str:
         return f"/run/netns/{self.name}"
 
     def remove(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.lifeline)
         if self.slirp.poll() is None:
             self.slirp.terminate()
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -110,12 +114,22 @@ class Egress:
         """A namespace for ``slot`` with slirp4netns attached and the rules loaded."""
         name = f"{self.prefix}{slot}"[:64]
         _run("ip", "netns", "add", name)
-        slirp = subprocess.Popen(
-            ["slirp4netns", "--configure", "--mtu=65520", "--disable-host-loopback",
-             "--netns-type=path", f"/run/netns/{name}", "tap0"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            start_new_session=True)
-        netns = Netns(name, slirp)
+        # slirp4netns ends when the pipe's write end closes: with the namespace, or
+        # with the agent if it dies (only the agent holds that end).
+        watch, lifeline = os.pipe()
+        try:
+            slirp = subprocess.Popen(
+                ["slirp4netns", "--configure", "--mtu=65520", "--disable-host-loopback",
+                 f"--exit-fd={watch}", "--netns-type=path", f"/run/netns/{name}", "tap0"],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL, start_new_session=True, pass_fds=(watch,))
+        except BaseException:
+            os.close(lifeline)
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
+            raise
+        finally:
+            os.close(watch)
+        netns = Netns(name, slirp, lifeline)
         try:
             _run("ip", "netns", "exec", name, "nft", "-f", "-", stdin=self.rules)
             deadline = time.monotonic() + 10
