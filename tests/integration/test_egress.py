@@ -3,7 +3,8 @@ the platform's hosts, private ranges or link-local addresses.
 
 Nothing here sends a packet off this machine: the reachable side is shown by the
 namespace's route and resolver, the refused side against a listener of the test's
-own on this machine's primary address (a private one, as on most hosts)."""
+own on this machine's primary address (private or reserved on most hosts; here
+192.0.2.2)."""
 
 from __future__ import annotations
 
@@ -13,32 +14,26 @@ import shutil
 import socket
 import subprocess
 from collections.abc import Iterator
+from typing import Any
 
+import httpx
 import pytest
 
 from tests.conftest import running_cluster
 from tests.support.cluster import Cluster, create_running, run_cell, start_kernel, wait_until
+from tests.support.hostile import network_probe
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not all(shutil.which(t) for t in ("bwrap", "slirp4netns", "nft")),
     reason="egress needs a root agent, bubblewrap, slirp4netns and nftables (.ci/run "
            "installs them)")
 
-PROBE = """import json, socket
-routes = [l.split()[0] for l in open('/proc/net/route').read().splitlines()[1:]
-          if l.split()[1] == '00000000']
-reached = []
-for host, port in {targets!r}:
-    with socket.socket() as s:
-        s.settimeout(3)
-        try:
-            s.connect((host, port))
-            reached.append(f'{{host}}:{{port}}')
-        except OSError:
-            pass
-print(json.dumps({{"default_routes": routes, "resolv": open('/etc/resolv.conf').read(),
-                  "reached": reached}}))
-"""
+
+def probe(cluster: Cluster, client: httpx.Client, workspace_id: str, kernel_id: str,
+          targets: list[tuple[str, int]]) -> dict[str, Any]:
+    result = run_cell(cluster, client, workspace_id, kernel_id, network_probe(targets))
+    verdict: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
+    return verdict
 
 
 def primary_address() -> str:
@@ -69,8 +64,7 @@ def test_an_egress_project_routes_out_but_reaches_nothing_of_this_host(
         listener.listen()
         targets = [(address, listener.getsockname()[1]), ("10.0.2.2", cluster.port),
                    ("127.0.0.1", cluster.port)]
-        result = run_cell(cluster, client, ws, kernel, PROBE.format(targets=targets))
-    verdict = json.loads(result.stdout.strip().splitlines()[-1])
+        verdict = probe(cluster, client, ws, kernel, targets)
     assert verdict["default_routes"] == ["tap0"], verdict
     assert "nameserver 10.0.2.3" in verdict["resolv"]
     assert verdict["reached"] == [], verdict
@@ -81,8 +75,7 @@ def test_an_egress_project_routes_out_but_reaches_nothing_of_this_host(
     other = cluster.new_user(org="closed")
     closed = create_running(other)
     closed_kernel = start_kernel(other, closed)
-    shut = run_cell(cluster, other, closed, closed_kernel, PROBE.format(targets=[]))
-    assert json.loads(shut.stdout.strip().splitlines()[-1])["default_routes"] == []
+    assert probe(cluster, other, closed, closed_kernel, [])["default_routes"] == []
     client.delete(f"/v1/workspaces/{ws}").raise_for_status()
 
     def gone() -> bool:

@@ -251,9 +251,10 @@ def test_the_network_reaches_nothing_on_the_host(field: Battlefield) -> None:
     and no route at all, so no other address is reachable either (private ranges,
     the cloud metadata service): that is read from its routing table, without
     sending a packet anywhere but to this host's loopback."""
-    ports = [field.cluster.port, field.agent_port, 5432]
+    targets = [(host, port) for port in (field.cluster.port, field.agent_port, 5432)
+               for host in ("127.0.0.1", "::1")]
     verdict = field.attacker.run(field.cluster, network_probe(
-        ports, ["/run/postgresql/.s.PGSQL.5432", "/var/run/postgresql/.s.PGSQL.5432"]))
+        targets, ["/run/postgresql/.s.PGSQL.5432", "/var/run/postgresql/.s.PGSQL.5432"]))
     assert verdict["reached"] == [], verdict
     assert verdict["routes"] == [], verdict
     assert verdict["devices"] == ["lo"], verdict

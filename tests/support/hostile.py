@@ -16,7 +16,7 @@ import os
 import pwd
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -213,20 +213,22 @@ print(json.dumps({{"delivered": hits}}))
 """
 
 
-def network_probe(ports: list[int], unix_sockets: list[str]) -> str:
+def network_probe(targets: list[tuple[str, int]], unix_sockets: Sequence[str] = ()) -> str:
+    """Connect to each (host, port) and Unix socket; report what answered, the
+    routing table (every route's device, and the default routes'), the network
+    devices and the resolver."""
     return PROLOGUE + f"""
 reached = []
-for port in {ports!r}:
-    for host in ("127.0.0.1", "::1"):
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        with socket.socket(family, socket.SOCK_STREAM) as sock:
-            sock.settimeout(2)
-            try:
-                sock.connect((host, port))
-                reached.append(f"{{host}}:{{port}}")
-            except OSError:
-                pass
-for path in {unix_sockets!r}:
+for host, port in {targets!r}:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.settimeout(2)
+        try:
+            sock.connect((host, port))
+            reached.append(f"{{host}}:{{port}}")
+        except OSError:
+            pass
+for path in {list(unix_sockets)!r}:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(2)
         try:
@@ -234,11 +236,13 @@ for path in {unix_sockets!r}:
             reached.append(path)
         except OSError:
             pass
-routes = [line.split()[0] for line in open("/proc/net/route").read().splitlines()[1:]]
+table = [line.split() for line in open("/proc/net/route").read().splitlines()[1:]]
 routes6 = [line.split()[-1] for line in open("/proc/net/ipv6_route").read().splitlines()
            if line.split()[-1] != "lo"]
 devices = [line.split(":")[0].strip() for line in open("/proc/net/dev").read().splitlines()[2:]]
-print(json.dumps({{"reached": reached, "routes": routes + routes6, "devices": devices}}))
+print(json.dumps({{"reached": reached, "routes": [r[0] for r in table] + routes6,
+                  "default_routes": [r[0] for r in table if r[1] == "00000000"],
+                  "devices": devices, "resolv": open("/etc/resolv.conf").read()}}))
 """
 
 

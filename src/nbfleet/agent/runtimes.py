@@ -115,9 +115,7 @@ class RuntimeManager:
     async def _place(self, workspace_id: str, generation: int, kernels: list[tuple[str, str]],
                      snapshot: dict[str, str], packages: str | None, limits: Limits,
                      network: str) -> Placed:
-        # A warm slot's disk was made at the default size, and it has no network: a
-        # project with a quota of its own, or with internet access, gets its own slot.
-        fits = limits.disk_bytes == self.isolation.limits.disk_bytes and network == "none"
+        fits = self._warm_fits(limits, network)
         warm = self.pool.claim(kernels[0][1]) if kernels and fits else None
         if warm is not None and not await self._fit(warm, limits):
             warm = None
@@ -166,9 +164,8 @@ class RuntimeManager:
                 raise Conflict(f"workspace {workspace_id} has no runtime on this host")
             if kernel_id in runtime.kernels:
                 return runtime.kernels[kernel_id]
-            fits = (runtime.slot.limits.disk_bytes == self.isolation.limits.disk_bytes
-                    and runtime.slot.network == "none")
-            if not runtime.kernels and fits:
+            if not runtime.kernels and self._warm_fits(runtime.slot.limits,
+                                                       runtime.slot.network):
                 warm = self.pool.claim(name)
                 if warm is not None and await self._fit(warm, runtime.slot.limits,
                                                         adopt=runtime.slot):
@@ -179,6 +176,12 @@ class RuntimeManager:
                     self._register(runtime, warm.kernel)
                     return warm.kernel
             return await self._start_kernel(runtime, kernel_id, name)
+
+    def _warm_fits(self, limits: Limits, network: str) -> bool:
+        """Whether a warm slot can serve a workspace: its disk was made at the default
+        size and it has no network, so a project with a quota of its own, or with
+        internet access, gets a slot of its own."""
+        return limits.disk_bytes == self.isolation.limits.disk_bytes and network == "none"
 
     async def _fit(self, warm: Warm, limits: Limits, adopt: Slot | None = None) -> bool:
         """Give a claimed warm slot the workspace's limits (and, with ``adopt``, its

@@ -102,15 +102,6 @@ class Cgroup:
             return _read_counter(f"{self.dirs[0]}/memory.events", "oom_kill")
         return _read_counter(f"{self._dir('memory')}/memory.oom_control", "oom_kill")
 
-    def memory_peak(self) -> int:
-        path = (f"{self.dirs[0]}/memory.peak" if self.version == 2
-                else f"{self._dir('memory')}/memory.max_usage_in_bytes")
-        try:
-            with open(path) as handle:
-                return int(handle.read().strip())
-        except (OSError, ValueError):
-            return 0
-
     def remove(self) -> None:
         """Remove the directories; processes still inside are killed first."""
         for directory in self.dirs:
