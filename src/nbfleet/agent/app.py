@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
@@ -19,6 +20,7 @@ from nbfleet.agent.statesync import SuspendOptions
 from nbfleet.agent.wire import V1_PROTOCOL, WireError, parse_client_frame
 from nbfleet.model.errors import NotFound, Unauthorized
 from nbfleet.model.limits import Limits
+from nbfleet.protocol.gpu import AgentBindings
 from nbfleet.storage.files import MAX_FILE_BYTES
 from nbfleet.storage.paths import confine
 from nbfleet.web.bodies import read_bounded
@@ -181,6 +183,15 @@ def create_agent_app(service: AgentService) -> FastAPI:
         kernel = service.manager.get_kernel(kernel_id)
         await kernel.restart()
         return kernel.model()
+
+    @api.get("/bindings")
+    async def list_bindings() -> AgentBindings:
+        """Every cell bound to GPUs here and not replied to yet: how a restarted
+        control plane learns which GPUs are busy."""
+        now = time.monotonic()
+        kernels = service.runtimes.kernels.values() if service.runtimes is not None else ()
+        return AgentBindings(bindings=[active for kernel in kernels
+                                       for active in kernel.bindings.active(kernel.id, now)])
 
     @api.post("/jobs")
     async def start_job(body: StartJob) -> dict[str, Any]:

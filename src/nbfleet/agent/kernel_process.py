@@ -24,6 +24,7 @@ import zmq
 import zmq.asyncio
 from jupyter_client.manager import AsyncKernelManager
 
+from nbfleet.agent.bindings import KernelBindings
 from nbfleet.agent.sandbox import Sandbox
 from nbfleet.agent.sandbox.cgroups import Cgroup
 from nbfleet.agent.sandbox.identity import Identity, hand_over
@@ -186,6 +187,9 @@ class KernelProcess:
         self.on_death: Callable[[KernelProcess, str], None] = lambda kernel, reason: None
         self.codec: WireCodec | None = None
         self._identity = uuid.uuid4().hex.encode()
+        #: GPU bindings of cells sent and not replied to; their endings are reported
+        #: through ``bindings.on_release``.
+        self.bindings = KernelBindings()
 
     # ----------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -245,6 +249,8 @@ class KernelProcess:
         for client, message in held:
             if client in self.clients:
                 self._forward(client, message)
+            else:
+                self.bindings.end(message.msg_id)  # dropped: it will never run
 
     def _send_internal(self, msg_type: str, content: dict[str, Any] | None = None) -> str:
         assert self.codec is not None
@@ -308,6 +314,8 @@ class KernelProcess:
             self._ready.clear()
             self._broadcast_status("restarting")
             self._requesters.clear()
+            # Every cell the old process had ends; those held for the new one stay.
+            self.bindings.end_all(keep=[message.msg_id for _, message in self._held])
             await self.manager.restart_kernel(now=True)
             await self._wait_ready()
 
@@ -324,6 +332,7 @@ class KernelProcess:
                 await task
         for sock in self._sockets.values():
             sock.close(linger=0)
+        self.bindings.end_all()
         with contextlib.suppress(Exception):
             await self.manager.shutdown_kernel(now=True)
         self._broadcast_status("dead")
@@ -368,10 +377,16 @@ class KernelProcess:
         client.close()
 
     def send_from_client(self, client: Client, message: ClientMessage) -> None:
+        if message.binding is not None and message.channel == "shell" and not self._stopping:
+            # Bound from the moment the agent accepts the cell: the control plane
+            # committed its GPUs when it sent it.
+            self.bindings.start(message.msg_id, message.binding)
         if not self._ready.is_set() and not self._stopping:
             # (Re)starting: held until the new process's iopub is subscribed, or the
             # cell's output would be published before anyone listens, and lost.
             self._held.append((client, message))
+            for _, dropped in self._held[:-HELD_LIMIT]:
+                self.bindings.end(dropped.msg_id)
             del self._held[:-HELD_LIMIT]
             return
         self._forward(client, message)
@@ -418,6 +433,8 @@ class KernelProcess:
                 waiter.set_result(json.loads(message.content_raw))
             return
         self._touch()
+        if channel == "shell" and message.msg_type == "execute_reply" and self.bindings:
+            self.bindings.end(parent)
         target = self._requesters.get(parent) if parent else None
         if channel in ("shell", "control") and parent is not None:
             self._requesters.pop(parent, None)

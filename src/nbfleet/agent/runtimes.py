@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,7 +51,8 @@ class Placed:
 class RuntimeManager:
     def __init__(self, state_dir: str, files: WorkspaceFiles, sockets_dir: str,
                  isolation: Isolation | None = None, release_delay_s: float = 0.0,
-                 warm_pool: int = 0) -> None:
+                 warm_pool: int = 0,
+                 on_released: Callable[[list[str]], None] | None = None) -> None:
         self.runtimes_dir = f"{state_dir}/runtimes"
         self.sockets_dir = sockets_dir
         self.isolation = isolation or Isolation(None)
@@ -69,6 +70,9 @@ class RuntimeManager:
         #: Fault injection for crash tests: hold a release or suspend open this long
         #: (a suspend, after its uploads and before it answers).
         self.release_delay_s = release_delay_s
+        #: Told the task ids of cells whose GPU bindings ended (reply, death, restart,
+        #: suspend, release); must not block (see ``bindings.ReleaseQueue.put``).
+        self.on_released: Callable[[list[str]], None] = on_released or (lambda task_ids: None)
 
     def new_slot(self, name: str, limits: Limits | None = None, network: str = "none") -> Slot:
         return Slot.create(self.runtimes_dir, self.sockets_dir, name, self.isolation, limits,
@@ -211,6 +215,7 @@ class RuntimeManager:
         runtime.kernels[kernel.id] = kernel
         self.kernels[kernel.id] = kernel
         kernel.on_death = self._died
+        kernel.bindings.on_release = self.on_released
 
     def _died(self, kernel: KernelProcess, reason: str) -> None:
         self.deaths.append({"workspace_id": kernel.workspace_id, "kernel_id": kernel.id,

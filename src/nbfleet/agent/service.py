@@ -16,11 +16,13 @@ from typing import Any
 import httpx
 from jupyter_client.kernelspec import KernelSpecManager
 
+from nbfleet.agent.bindings import ReleaseQueue
 from nbfleet.agent.jobs import JobRunner
 from nbfleet.agent.runtimes import RuntimeManager
 from nbfleet.agent.sandbox import open_isolation
 from nbfleet.model.limits import Limits
 from nbfleet.model.resources import HostInventory, parse_gpu_spec
+from nbfleet.protocol.gpu import ReleasedCells
 from nbfleet.storage.blobs import BlobStore
 from nbfleet.storage.files import WorkspaceFiles
 
@@ -99,6 +101,20 @@ class ControlReporter:
         response.raise_for_status()
         return True
 
+    async def released(self, task_ids: list[str]) -> None:
+        """Tell the control plane these cells' GPU bindings ended; raises to be retried."""
+        body = ReleasedCells(agent_id=self._who["agent_id"], task_ids=task_ids)
+        response = await self._http.post(f"/internal/agents/{self._who['agent_id']}/released",
+                                         json=body.model_dump())
+        if response.status_code == 404:
+            return  # it knows nothing of them (or of us): nothing to do
+        if response.status_code in (400, 413, 422):
+            # Sent again it would be refused again, and hold back every later report.
+            log.error("the control plane refused a GPU release report (%d): %s",
+                      response.status_code, response.text[:500])
+            return
+        response.raise_for_status()
+
 
 class AgentService:
     def __init__(self, config: AgentConfig) -> None:
@@ -125,6 +141,10 @@ class AgentService:
             headers={"Authorization": f"Bearer {config.secret}"},
             timeout=10.0,
         )
+        #: Cells whose GPU bindings ended, for the control plane; kernels put, and
+        #: :meth:`running` drains it.
+        self.released = ReleaseQueue()
+        self.reporter = ControlReporter(self._http, self.agent_id, self.boot_id)
 
     @property
     def manager(self) -> RuntimeManager:
@@ -180,14 +200,14 @@ class AgentService:
             self.runtimes = RuntimeManager(
                 self.state_dir, files, self.sockets_dir,
                 isolation=self.isolation, release_delay_s=self.config.release_delay_s,
-                warm_pool=self.config.warm_pool,
+                warm_pool=self.config.warm_pool, on_released=self.released.put,
             )
             self.runtimes.pool.start()
         if self.jobs is None:
             # Opening the runner kills the jobs a previous boot of this host left.
             self.jobs = JobRunner(
                 self.state_dir, BlobStore(body["blobs_url"]),
-                ControlReporter(self._http, self.agent_id, self.boot_id),
+                self.reporter,
                 heartbeat_s=self.config.job_heartbeat_s, sandbox=self.sandbox,
                 identities=self.isolation.identities,
             )
@@ -214,16 +234,20 @@ class AgentService:
     async def running(self) -> AsyncIterator[None]:
         await self.register()
         beat = asyncio.create_task(self.heartbeat_forever())
+        releases = asyncio.create_task(self.released.drain_forever(self.reporter.released))
         try:
             yield
         finally:
-            beat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await beat
+            for task in (beat, releases):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             if self.jobs is not None:
                 await self.jobs.close()
             if self.runtimes is not None:
                 await self.runtimes.shutdown()
+            with contextlib.suppress(Exception):  # best effort: the kernels just ended
+                await asyncio.wait_for(self.released.send_once(self.reporter.released), 2.0)
             shutil.rmtree(self.sockets_dir, ignore_errors=True)
             self.isolation.close()
             await self._http.aclose()

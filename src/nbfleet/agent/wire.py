@@ -4,7 +4,8 @@ Two WebSocket framings are spoken: the legacy JSON one, and
 ``v1.kernel.websocket.jupyter.org``, whose binary frames carry the message parts as
 they are. Kernel messages are relayed on the hot path of every cell, so their
 signed JSON parts are never re-encoded: they are checked and then spliced (legacy)
-or packed (v1). Only the small header and parent header are parsed, for routing.
+or packed (v1). Only the small header and parent header are parsed, for routing,
+and a client's ``execute_request`` metadata, for the cell's GPU binding.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ import struct
 from dataclasses import dataclass, field
 from hashlib import sha256
 from typing import Any
+
+from nbfleet.agent.bindings import parse_binding
+from nbfleet.protocol.gpu import BINDING_KEY, CellBinding
 
 DELIMITER = b"<IDS|MSG>"
 V1_PROTOCOL = "v1.kernel.websocket.jupyter.org"
@@ -64,12 +68,18 @@ class KernelMessage:
 
 @dataclass(slots=True)
 class ClientMessage:
-    """A message from a WebSocket client, serialized and ready to sign."""
+    """A message from a WebSocket client, serialized and ready to sign.
+
+    ``binding`` is the GPU binding of an ``execute_request`` (None for any other
+    message, and for a malformed binding).
+    """
 
     channel: str
     msg_id: str
     parts: list[bytes]
     buffers: list[bytes]
+    msg_type: str = ""
+    binding: CellBinding | None = None
 
 
 class WireCodec:
@@ -118,6 +128,7 @@ def _dump(value: Any) -> bytes:
 def parse_client_frame(data: str | bytes, protocol: str | None) -> ClientMessage:
     """Decode a WebSocket frame from a client, in whichever protocol it speaks."""
     channel: object
+    metadata: object = None
     if protocol == V1_PROTOCOL:
         if not isinstance(data, bytes):
             raise WireError("the v1 protocol sends binary frames")
@@ -126,6 +137,13 @@ def parse_client_frame(data: str | bytes, protocol: str | None) -> ClientMessage
             header = json.loads(parts[0])
         except ValueError as exc:
             raise WireError("header is not JSON") from exc
+        if isinstance(header, dict) and header.get("msg_type") == "execute_request":
+            # Only a cell pays for parsing its metadata (its GPU binding is there).
+            # Not a substring test first: an escaped key would slip past it.
+            try:
+                metadata = json.loads(parts[2])
+            except ValueError:
+                metadata = None
     else:
         if isinstance(data, bytes):
             pieces = unpack_legacy_binary(data)
@@ -138,13 +156,19 @@ def parse_client_frame(data: str | bytes, protocol: str | None) -> ClientMessage
             raise WireError("a kernel message must be a JSON object")
         channel = message.get("channel")
         header = message.get("header")
+        metadata = message.get("metadata")
         parts = [_dump(message.get(name) or {})
                  for name in ("header", "parent_header", "metadata", "content")]
     if not isinstance(channel, str) or channel not in CLIENT_CHANNELS:
         raise WireError(f"cannot send to channel {channel!r}")
     if not isinstance(header, dict) or not header.get("msg_id"):
         raise WireError("message header with a msg_id is required")
-    return ClientMessage(channel, str(header["msg_id"]), parts, buffers)
+    msg_type = header.get("msg_type")
+    msg_type = msg_type if isinstance(msg_type, str) else ""
+    binding = None
+    if msg_type == "execute_request" and isinstance(metadata, dict):
+        binding = parse_binding(metadata.get(BINDING_KEY))
+    return ClientMessage(channel, str(header["msg_id"]), parts, buffers, msg_type, binding)
 
 
 def pack_v1(channel: str, parts: list[bytes], buffers: list[bytes]) -> bytes:

@@ -11,7 +11,15 @@ import typer
 from rich.console import Console
 from rich.panel import Panel
 
-from nbfleet.cli import credit, job, sim, users, ws
+from nbfleet.cli import admin, credit, job, sim, users, ws
+from nbfleet.cli.fleet_options import (
+    HOST_GPUS_OPT,
+    MAX_HOSTS_OPT,
+    METER_INTERVAL_OPT,
+    POLICY_OPT,
+    REPLICAS_OPT,
+    fleet_options,
+)
 from nbfleet.cli.home import DEFAULT_PORT, home_dir, sqlite_url
 from nbfleet.cli.isolation import (
     CGROUP_PARENT_OPT,
@@ -43,6 +51,7 @@ app.add_typer(users.app, name="user")
 app.add_typer(credit.app, name="credit")
 app.add_typer(job.app, name="job")
 app.add_typer(job.binaries, name="binary")
+app.add_typer(admin.app, name="admin")
 app.command("sim")(sim.sim)
 console = Console(stderr=True)
 
@@ -283,6 +292,11 @@ def up(
     job_retry_backoff: float = JOB_BACKOFF_OPT,
     job_dispatch_interval: float = JOB_DISPATCH_OPT,
     job_heartbeat: float = JOB_HEARTBEAT_OPT,
+    policy: str = POLICY_OPT,
+    host_gpus: str = HOST_GPUS_OPT,
+    max_hosts: int = MAX_HOSTS_OPT,
+    replicas: int = REPLICAS_OPT,
+    meter_interval: float = METER_INTERVAL_OPT,
     log_level: str = LOG_OPT,
 ) -> None:
     """Run the whole platform on this machine: control plane + one agent, SQLite, local blobs."""
@@ -302,7 +316,9 @@ def up(
                  "rate_limit_storage": rate_limit_storage,
                  **_job_options(job_tiers, gpu_prices, job_heartbeat_timeout, job_kill_grace,
                                 job_result_retention, job_retry_backoff,
-                                job_dispatch_interval)}
+                                job_dispatch_interval),
+                 **fleet_options(policy, host_gpus, max_hosts, replicas, meter_interval,
+                                 console)}
     control_sock, agent_sock = _listen(host, port), _listen("127.0.0.1", "0")
     state = home_dir(home)
     _private_home(state)
@@ -350,6 +366,11 @@ def control(
                                 help="Processes serving the port, each a control-plane "
                                      "replica (PostgreSQL only); a worker that dies is "
                                      "restarted"),
+    policy: str = POLICY_OPT,
+    host_gpus: str = HOST_GPUS_OPT,
+    max_hosts: int = MAX_HOSTS_OPT,
+    replicas: int = REPLICAS_OPT,
+    meter_interval: float = METER_INTERVAL_OPT,
     log_level: str = LOG_OPT,
 ) -> None:
     """Run the control plane alone (agents join with `nbfleet agent`)."""
@@ -372,7 +393,9 @@ def control(
                  "rate_limit_storage": rate_limit_storage,
                  **_job_options(job_tiers, gpu_prices, job_heartbeat_timeout, job_kill_grace,
                                 job_result_retention, job_retry_backoff,
-                                job_dispatch_interval)}
+                                job_dispatch_interval),
+                 **fleet_options(policy, host_gpus, max_hosts, replicas, meter_interval,
+                                 console)}
     if workers > 1 and not (db or "").startswith("postgresql"):
         console.print("[red]error:[/red] --workers above 1 needs PostgreSQL (--db "
                       "postgresql://...): SQLite has one writer")

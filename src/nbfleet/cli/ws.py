@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import math
+import re
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import typer
 from rich.table import Table
 
 from nbfleet.cli.client import TOKEN_OPT, URL_OPT, Api, err, out, print_json
+from nbfleet.model.errors import InvalidInput
+from nbfleet.model.limits import format_size, parse_size
 
 app = typer.Typer(help="Create, suspend, resume and delete workspaces; manage their files.",
                   no_args_is_help=True)
@@ -100,13 +104,92 @@ def _tell_restored(body: dict[str, Any], generation: int | None) -> None:
         err.print(f"kernel {kernel_id}: restored by an earlier attempt whose report was lost")
 
 
+#: A GPU type as agents declare it (the API checks the same), e.g. A100-80GB.
+_GPU_TYPE = re.compile(r"^[A-Za-z0-9]+-[0-9]+GB$")
+
+GPUS_OPT = typer.Option(None, "--gpus", min=0, max=64,
+                        help="GPUs, all of one type (default: the project's default request)")
+GPU_TYPE_OPT = typer.Option(None, "--gpu-type", help="An acceptable GPU type, e.g. A100-80GB; "
+                            "repeat it, most preferred first (default: any)")
+VRAM_OPT = typer.Option(None, "--vram", min=0, max=4096, help="VRAM floor per GPU, in GB")
+CPUS_OPT = typer.Option(None, "--cpus", help="CPUs, e.g. 2 or 0.5")
+MEMORY_OPT = typer.Option(None, "--memory", help="Memory, e.g. 8GiB or 512MiB")
+
+
+def _fail(message: str) -> NoReturn:
+    err.print(f"[red]error:[/red] {message}")
+    raise typer.Exit(1)
+
+
+def resource_request(gpus: int | None, gpu_types: list[str] | None, vram: int | None,
+                     cpus: float | None, memory: str | None) -> dict[str, Any] | None:
+    """The API's ``resources`` from the flags; None when no flag is given, so the
+    project's default applies. Bad values exit 1 with a message, not a traceback."""
+    if gpus is None and not gpu_types and vram is None and cpus is None and memory is None:
+        return None
+    request: dict[str, Any] = {}
+    if gpus is not None:
+        request["gpus"] = gpus
+    if gpu_types:
+        for gpu_type in gpu_types:
+            if not _GPU_TYPE.match(gpu_type):
+                _fail(f"invalid --gpu-type {gpu_type!r}: expected a type as agents declare "
+                      "it, e.g. A100-80GB")
+        request["gpu_types"] = gpu_types
+    if vram:
+        request["vram_gb"] = vram
+    if (gpu_types or vram) and not gpus:
+        _fail("--gpu-type and --vram need --gpus 1 or more")
+    if cpus is not None:
+        if not math.isfinite(cpus) or not 0 <= cpus <= 1024:
+            _fail(f"invalid --cpus {cpus}: expected a number of CPUs from 0 to 1024, e.g. 2")
+        millicpus = round(cpus * 1000)
+        if cpus > 0 and millicpus == 0:
+            _fail(f"invalid --cpus {cpus}: the smallest request is 0.001")
+        request["millicpus"] = millicpus
+    if memory is not None:
+        try:
+            size = parse_size(memory, "--memory")
+        except InvalidInput as exc:
+            _fail(exc.detail)
+        request["memory_mb"] = math.ceil(size / (1 << 20))
+    return request
+
+
+def gpu_summary(resources: dict[str, Any] | None) -> str:
+    """A workspace's GPU request in a few characters: ``1x A100-80GB|H100-80GB``,
+    ``2x any >=40GB``, or ``-`` for none."""
+    if not resources or not resources.get("gpus"):
+        return "-"
+    types = "|".join(resources.get("gpu_types") or ()) or "any"
+    floor = f" >={resources['vram_gb']}GB" if resources.get("vram_gb") else ""
+    return f"{resources['gpus']}x {types}{floor}"
+
+
+def resources_summary(resources: dict[str, Any] | None) -> str:
+    """GPUs, CPUs and memory asked for, on one line."""
+    parts = [f"gpus {gpu_summary(resources)}"]
+    if resources and resources.get("millicpus"):
+        parts.append(f"cpus {resources['millicpus'] / 1000:g}")
+    if resources and resources.get("memory_mb"):
+        parts.append(f"memory {format_size(int(resources['memory_mb']) << 20)}")
+    return ", ".join(parts)
+
+
 @app.command("create")
-def create(name: str, wait: bool = WAIT_OPT, url: str | None = URL_OPT,
-           token: str | None = TOKEN_OPT) -> None:
-    """Create a workspace (it starts running)."""
+def create(name: str, wait: bool = WAIT_OPT, gpus: int | None = GPUS_OPT,
+           gpu_type: list[str] | None = GPU_TYPE_OPT, vram: int | None = VRAM_OPT,
+           cpus: float | None = CPUS_OPT, memory: str | None = MEMORY_OPT,
+           url: str | None = URL_OPT, token: str | None = TOKEN_OPT) -> None:
+    """Create a workspace (it starts running). With no resource flag it asks for the
+    project's default; with any, for exactly what the flags say."""
+    resources = resource_request(gpus, gpu_type, vram, cpus, memory)
     api = Api(url, token)
     started = time.monotonic()
-    body = api.json("POST", "/v1/workspaces", json={"name": name},
+    request: dict[str, Any] = {"name": name}
+    if resources is not None:
+        request["resources"] = resources
+    body = api.json("POST", "/v1/workspaces", json=request,
                     headers={"Idempotency-Key": str(uuid.uuid4())})
     if wait:
         body = _wait(api, body["id"], "create", body, started)
@@ -117,12 +200,13 @@ def create(name: str, wait: bool = WAIT_OPT, url: str | None = URL_OPT,
 def list_(url: str | None = URL_OPT, token: str | None = TOKEN_OPT) -> None:
     """List workspaces."""
     api = Api(url, token)
-    table = Table("id", "name", "state", "desired", "updated")
+    table = Table("id", "name", "state", "desired", "gpus", "updated")
     after: str | None = None
     while True:
         page = api.json("GET", "/v1/workspaces", params={"after": after} if after else {})
         for ws in page["items"]:
-            table.add_row(ws["id"], ws["name"], ws["state"], ws["desired_state"], ws["updated_at"])
+            table.add_row(ws["id"], ws["name"], ws["state"], ws["desired_state"],
+                          gpu_summary(ws.get("resources")), ws["updated_at"])
         after = page["next"]
         if not after:
             break
@@ -131,8 +215,10 @@ def list_(url: str | None = URL_OPT, token: str | None = TOKEN_OPT) -> None:
 
 @app.command("get")
 def get(workspace_id: str, url: str | None = URL_OPT, token: str | None = TOKEN_OPT) -> None:
-    """Show one workspace."""
-    print_json(Api(url, token).json("GET", f"/v1/workspaces/{workspace_id}"))
+    """Show one workspace (JSON on stdout; its resource request, compactly, on stderr)."""
+    body = Api(url, token).json("GET", f"/v1/workspaces/{workspace_id}")
+    print_json(body)
+    err.print(f"resources: {resources_summary(body.get('resources'))}")
 
 
 @app.command("suspend")

@@ -9,6 +9,7 @@ from urllib.parse import quote
 import httpx
 
 from nbfleet.model.errors import Conflict, DomainError, NotFound, SuspendFailed, Unavailable
+from nbfleet.protocol.gpu import AgentBindings
 
 
 class AgentClient:
@@ -66,6 +67,10 @@ class AgentClient:
                          name: str) -> Any:
         return await self._call("POST", f"{base}/agent/v1/runtimes/{workspace_id}/kernels",
                                 json={"generation": generation, "id": kernel_id, "name": name})
+
+    async def bindings(self, base: str) -> AgentBindings:
+        """The cells this agent has running with GPUs bound (its own report)."""
+        return AgentBindings.model_validate(await self._call("GET", f"{base}/agent/v1/bindings"))
 
     async def kernels(self, base: str) -> list[dict[str, Any]]:
         result: list[dict[str, Any]] = await self._call("GET", f"{base}/agent/v1/kernels")

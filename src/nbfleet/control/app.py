@@ -11,6 +11,7 @@ from fastapi import Depends, FastAPI, Response
 from nbfleet import __version__
 from nbfleet.control import credit_reaper, culler, housekeeping, job_dispatcher, leases
 from nbfleet.control.data_errors import install_data_error_handler
+from nbfleet.control.fleet import router as fleet_router
 from nbfleet.control.job_intake import JobIntake
 from nbfleet.control.operators import require_operator
 from nbfleet.control.platform import ControlConfig, Platform
@@ -89,6 +90,7 @@ def create_app(config: ControlConfig, run_reconciler: bool = True) -> FastAPI:
                    binaries):
         app.include_router(module.router)
     app.include_router(jobs.download)
+    app.include_router(fleet_router.router)
 
     @app.get("/healthz", tags=["ops"], summary="Liveness")
     async def healthz() -> dict[str, str]:  # no I/O: no worker-thread hop

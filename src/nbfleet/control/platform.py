@@ -7,6 +7,7 @@ import secrets
 from dataclasses import dataclass, field
 
 from nbfleet.control.agent_client import AgentClient
+from nbfleet.control.fleet.service import FleetService
 from nbfleet.db.engine import Database
 from nbfleet.jobs.settings import JobSettings
 from nbfleet.model.jobs import RetryRules, parse_tiers
@@ -46,6 +47,19 @@ class ControlConfig:
     job_backoff_base_s: float = 2.0
     #: Seconds between dispatch passes when nothing wakes the dispatcher sooner.
     job_dispatch_interval_s: float = 1.0
+    #: The GPU scheduling policy that places GPU workspaces and binds GPUs to their
+    #: cells (``policy/scheduling/registry.py``); the simulator runs the same ones.
+    policy: str = "nbfleet"
+    #: What one autoscaled host declares, as an agent's ``--gpus`` (e.g.
+    #: ``1xA100-80GB``); empty: the fleet is only the hosts that register.
+    host_gpus: str = ""
+    #: Hosts the autoscaler may run at most (0: it adds none).
+    max_hosts: int = 0
+    #: Replicas per GPU kernel (0: the policy's own, at most the hosts the fleet
+    #: may have).
+    replicas: int = 0
+    #: Seconds between usage reports of running GPU cells and standby replicas.
+    meter_interval_s: float = 15.0
 
     def job_settings(self) -> JobSettings:
         """Raises ``InvalidInput`` for a bad tier or price list."""
@@ -65,6 +79,8 @@ class Platform:
     files: WorkspaceFiles = field(init=False)
     agents: AgentClient = field(init=False)
     jobs: JobSettings = field(init=False)
+    #: The GPU scheduler (active on the replica holding the reconciler's lease).
+    fleet: FleetService = field(init=False)
     #: Set to run a dispatch pass now (the job dispatcher waits on it).
     jobs_wake: asyncio.Event | None = None
     instance_id: str = field(default_factory=lambda: f"ctl_{secrets.token_hex(6)}")
@@ -78,6 +94,7 @@ class Platform:
         self.files = WorkspaceFiles(self.blobs)
         self.agents = AgentClient(self.config.secret)
         self.jobs = self.config.job_settings()
+        self.fleet = FleetService(self)
 
     def bind_loop(self) -> asyncio.Event:
         self._loop = asyncio.get_running_loop()

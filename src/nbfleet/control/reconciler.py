@@ -23,9 +23,11 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from nbfleet.control import hosts, leases
+from nbfleet.control.fleet.service import GpuPlacement
 from nbfleet.control.platform import Platform
-from nbfleet.control.workspaces import transition
-from nbfleet.db.tables import Kernel, Project, Workspace
+from nbfleet.control.workspaces import resources_of, transition
+from nbfleet.db.tables import Agent, Kernel, Project, Workspace
+from nbfleet.model.cluster import ResourceSpec
 from nbfleet.model.errors import DomainError, NotFound, SuspendFailed
 from nbfleet.model.workspace import (
     Action,
@@ -44,6 +46,9 @@ LEASE = "workspace-reconciler"
 BATCH = 100
 PARALLEL = 8
 MAX_STEPS = 8
+#: How often a GPU workspace waiting for a host looks again (a placement change
+#: wakes the reconciler sooner).
+GPU_WAIT_RETRY_S = 2.0
 
 STEPS = Counter("nbfleet_reconcile_steps_total", "Reconciler steps", ["action", "outcome"])
 
@@ -67,6 +72,18 @@ class Work:
     limits: dict[str, Any] | None = None
     #: The project's network mode for its kernels (None: no network).
     network: str | None = None
+    #: GPUs the workspace asked for (0: the GPU scheduler has no part in it).
+    gpus: int = 0
+    #: A release that moves the kernel to another host (its GPU kernel stays open).
+    moving: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class NeedsGpuPlacement:
+    """The workspace needs a host and asks for GPUs: the scheduler decides where."""
+
+    workspace_id: str
+    spec: ResourceSpec
 
 
 class Reconciler:
@@ -93,9 +110,15 @@ class Reconciler:
         self.token = await asyncio.to_thread(
             leases.acquire, self.db, LEASE, self.platform.instance_id, config.lease_ttl_s
         )
+        fleet = self.platform.fleet
         if self.token is None:
+            fleet.stand_down()
             return
+        if fleet.token != self.token:
+            await fleet.take_over(self.token)
         await asyncio.to_thread(self._mark_dead_hosts)
+        await fleet.sync_hosts()
+        await fleet.periodic()
         due = await asyncio.to_thread(self._due)
         await asyncio.gather(*(self._reconcile_guarded(ws_id) for ws_id in due))
 
@@ -137,7 +160,10 @@ class Reconciler:
         """Take steps until the workspace settles, a step fails, or the budget runs out."""
         for _ in range(MAX_STEPS):
             work = await asyncio.to_thread(self._begin, workspace_id)
-            if work is None:
+            if isinstance(work, NeedsGpuPlacement):
+                placement = self.platform.fleet.place(work.workspace_id, work.spec)
+                work = await asyncio.to_thread(self._begin, workspace_id, placement)
+            if not isinstance(work, Work):
                 return
             try:
                 result = await self._act(work)
@@ -150,12 +176,15 @@ class Reconciler:
                 return
             STEPS.labels(work.step.action, "ok").inc()
             more = await asyncio.to_thread(self._finish, work, result)
+            if work.gpus and work.step.action is not Action.PLACE and not work.moving:
+                self.platform.fleet.close(work.workspace_id)  # its runtime is gone
             self.platform.notify_changed()
             if not more:
                 return
 
     # ----------------------------------------------------------- transactions
-    def _begin(self, workspace_id: str) -> Work | None:
+    def _begin(self, workspace_id: str,
+               gpu: GpuPlacement | None = None) -> Work | NeedsGpuPlacement | None:
         config = self.platform.config
         with self.db.transaction() as session:
             self._check_lease(session)
@@ -174,6 +203,13 @@ class Reconciler:
             host = hosts.alive_agent(session, ws.host_id, now, config.agent_timeout_s)
             if host is not None and host.boot_id != ws.host_boot_id:
                 host = None  # that boot's runtime is gone
+            spec = resources_of(ws)
+            if step.action is Action.PLACE and host is None and spec.gpus:
+                if gpu is None:
+                    return NeedsGpuPlacement(ws.id, spec)
+                host = self._gpu_host(session, ws, gpu, now)
+                if host is None:
+                    return None
             if step.action is Action.PLACE and host is None:
                 chosen = least_loaded(hosts.host_loads(session, now, config.agent_timeout_s))
                 if chosen is None:
@@ -196,7 +232,39 @@ class Reconciler:
                 if project is not None:
                     limits, network = project.kernel_limits, project.kernel_network
             return Work(ws.id, step, ws.generation, WorkspaceState(ws.state),
-                        host.url if host else None, kernels, ws.snapshot, limits, network)
+                        host.url if host else None, kernels, ws.snapshot, limits, network,
+                        spec.gpus, ws.move_to is not None)
+
+    def _gpu_host(self, session: Session, ws: Workspace, gpu: GpuPlacement,
+                  now: datetime) -> Agent | None:
+        """Record the scheduler's placement and return the host to run on, or None
+        (the workspace waits, or fails when it can never be placed)."""
+        if gpu.refused is not None:
+            ws.last_error = f"cannot place: {gpu.refused}"
+            transition(session, ws, WorkspaceState.FAILED, now, ws.last_error)
+            ws.pending = False
+            return None
+        timeout = self.platform.config.agent_timeout_s
+        candidates = list(gpu.hosts)
+        if ws.move_to is not None and gpu.waiting is None:
+            # Moved for a cell whose GPUs the scheduler bound there.
+            candidates = [ws.move_to] + [h for h in candidates if h != ws.move_to]
+            ws.move_to = None
+        if gpu.waiting is None and not candidates:
+            # Its sessions own no host between cells (batch, lcp): the kernel lives
+            # where there is room, and GPUs come per cell.
+            chosen = least_loaded(hosts.host_loads(session, now, timeout))
+            candidates = [chosen] if chosen is not None else []
+        host = hosts.alive_agent(session, candidates[0], now, timeout) if candidates else None
+        if host is None:
+            # Waiting for capacity is not a failure: no backoff, and the scheduler
+            # wakes the reconciler when a placement changes.
+            ws.last_error = gpu.waiting or "waiting for its GPU host to come up"
+            ws.next_attempt_at = now + timedelta(seconds=GPU_WAIT_RETRY_S)
+            return None
+        ws.gpu_placement = {"hosts": list(gpu.hosts), "reserved": list(gpu.reserved)}
+        ws.host_id, ws.host_boot_id = host.id, host.boot_id
+        return host
 
     def _finish(self, work: Work, result: Any) -> bool:
         """Settle the step; True if the workspace still has work to do."""
@@ -211,6 +279,7 @@ class Reconciler:
                 _record(ws, work, result, now)
             if work.step.action is not Action.PLACE:
                 ws.host_id = ws.host_boot_id = None
+                ws.gpu_placement = None
             if work.step.action is Action.DESTROY:
                 for kernel in session.execute(
                     select(Kernel).where(Kernel.workspace_id == ws.id)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -122,14 +124,22 @@ def _locked_project(session: Session, org_name: str, project_name: str) -> Proje
 
 def set_project_settings(db: Database, org_name: str, project_name: str,
                          idle_suspend_s: int | None, limits: Limits,
-                         network: str | None = None) -> None:
+                         network: str | None = None,
+                         default_resources: dict[str, Any] | None = None,
+                         check: Callable[[Session], None] | None = None) -> None:
     """A project's own idle-suspend timeout (None: the platform default, 0: never),
-    kernel limits (each None field: the platform default) and network mode."""
+    kernel limits (each None field: the platform default), network mode and the
+    resource request of workspaces created without one (None: nothing asked).
+    ``check`` vets the settings once the project is known to exist (so an unknown
+    project is 404 before any setting is judged) and raises to refuse them."""
     with db.transaction() as session:
         project = _locked_project(session, org_name, project_name)
+        if check is not None:
+            check(session)
         project.idle_suspend_s = idle_suspend_s
         project.kernel_limits = limits.as_dict() if limits != Limits() else None
         project.kernel_network = network if network == "egress" else None
+        project.default_resources = default_resources
 
 
 def set_job_settings(db: Database, org_name: str, project_name: str, weight: float,

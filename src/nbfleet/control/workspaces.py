@@ -1,17 +1,22 @@
-"""Workspace rows: tenant-scoped lookup, desired-state requests and audited transitions."""
+"""Workspace rows: tenant-scoped lookup, resource requests, desired-state requests
+and audited transitions."""
 
 from __future__ import annotations
 
+import time
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any
 
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from nbfleet.control.auth import Principal
 from nbfleet.db.ids import new_id
-from nbfleet.db.tables import Workspace, WorkspaceEvent
-from nbfleet.model.errors import NotFound
+from nbfleet.db.tables import Agent, Project, Workspace, WorkspaceEvent
+from nbfleet.model.cluster import ResourceSpec
+from nbfleet.model.errors import InvalidInput, NotFound
+from nbfleet.model.resources import GpuGroup, HostInventory, inventory_from_json, parse_gpu_spec
 from nbfleet.model.workspace import (
     DesiredState,
     WorkspaceState,
@@ -19,8 +24,139 @@ from nbfleet.model.workspace import (
     check_transition,
     is_settled,
 )
+from nbfleet.policy.shapes import UNBOUNDED, autoscaled_shape, unsatisfiable_reason
 from nbfleet.web.metrics import WORKSPACE_TRANSITIONS
 from nbfleet.web.render import iso
+
+# ------------------------------------------------------------------ resources
+#: A GPU type as agents declare it (``model/resources.py``): e.g. ``A100-80GB``.
+GPU_TYPE_PATTERN = r"^[A-Za-z0-9]+-[0-9]+GB$"
+GpuType = Annotated[str, StringConstraints(pattern=GPU_TYPE_PATTERN, max_length=64)]
+
+
+class ResourceRequest(BaseModel):
+    """What a workspace asks for (the API's form of ``model.cluster.ResourceSpec``);
+    every field may be left out. Unknown fields are refused, so a typo is a 422
+    naming it rather than a request silently asking for less."""
+
+    model_config = ConfigDict(extra="forbid")
+    millicpus: int = Field(default=0, ge=0, le=1_024_000,
+                           description="CPU, in thousandths of a CPU")
+    memory_mb: int = Field(default=0, ge=0, le=16 << 20, description="Memory, in MiB")
+    gpus: int = Field(default=0, ge=0, le=64, description="GPUs, all of one type")
+    vram_gb: int = Field(default=0, ge=0, le=4096, description="VRAM floor per GPU, in GB")
+    gpu_types: list[GpuType] = Field(
+        default_factory=list, max_length=16,
+        description="Acceptable GPU types, most preferred first (empty: any), e.g. A100-80GB")
+
+    @model_validator(mode="after")
+    def _gpu_details_need_gpus(self) -> ResourceRequest:
+        if self.gpus == 0 and (self.vram_gb or self.gpu_types):
+            raise ValueError("gpu_types and vram_gb need gpus of at least 1")
+        self.gpu_types = list(dict.fromkeys(self.gpu_types))  # a repeat adds nothing
+        return self
+
+    def spec(self) -> ResourceSpec:
+        return ResourceSpec(millicpus=self.millicpus, memory_mb=self.memory_mb, gpus=self.gpus,
+                            vram_gb=self.vram_gb, gpu_types=tuple(self.gpu_types))
+
+
+def spec_json(spec: ResourceSpec) -> dict[str, Any]:
+    """How a spec is stored and shown: all five fields, always."""
+    return {"millicpus": spec.millicpus, "memory_mb": spec.memory_mb, "gpus": spec.gpus,
+            "vram_gb": spec.vram_gb, "gpu_types": list(spec.gpu_types)}
+
+
+def spec_from_json(value: dict[str, Any] | None) -> ResourceSpec:
+    """A stored spec (None: nothing asked)."""
+    if not value:
+        return ResourceSpec()
+    return ResourceSpec(millicpus=int(value.get("millicpus", 0)),
+                        memory_mb=int(value.get("memory_mb", 0)),
+                        gpus=int(value.get("gpus", 0)), vram_gb=int(value.get("vram_gb", 0)),
+                        gpu_types=tuple(str(t) for t in value.get("gpu_types", ())))
+
+
+def resources_of(ws: Workspace) -> ResourceSpec:
+    """What the workspace asked for, for the scheduler: its stored, resolved spec, or
+    an empty one (no GPUs, no CPU or memory floor) for rows older than requests."""
+    return spec_from_json(ws.resources)
+
+
+def asks_capacity(spec: ResourceSpec) -> bool:
+    """Whether a spec needs checking against the fleet (a plain 0-GPU request does not)."""
+    return bool(spec.gpus or spec.millicpus or spec.memory_mb)
+
+
+#: How long the registered host shapes are reused before being read again.
+SHAPES_TTL_S = 5.0
+#: A refusal is only given on shapes at most this old: a cached read that misses a
+#: host registered since must not refuse what that host can hold.
+SHAPES_RECHECK_S = 1.0
+
+
+def read_shapes(session: Session) -> tuple[HostInventory, ...]:
+    """The distinct shapes of the registered agents: O(hosts), hence cached."""
+    shapes = {inventory_from_json(inv, UNBOUNDED)
+              for inv in session.execute(select(Agent.inventory)).scalars()}
+    return tuple(sorted(shapes, key=repr))
+
+
+class FleetShapes:
+    """The registered host shapes, read at most every ``SHAPES_TTL_S`` per process
+    (per-request cost stays O(1): creations never scan the hosts on their own)."""
+
+    def __init__(self, host_gpus: str = "", max_hosts: int = 0) -> None:
+        self._read: tuple[float, tuple[HostInventory, ...]] | None = None
+        self.autoscaled_gpus = _autoscaler_gpus(host_gpus, max_hosts)
+
+    def get(self, session: Session, max_age_s: float = SHAPES_TTL_S
+            ) -> tuple[HostInventory, ...]:
+        if self._read is None or time.monotonic() - self._read[0] >= max_age_s:
+            self._read = (time.monotonic(), read_shapes(session))
+        return self._read[1]
+
+    def reason(self, session: Session, spec: ResourceSpec, max_age_s: float = SHAPES_TTL_S
+               ) -> str | None:
+        """Why no host could ever hold ``spec`` (None: some could)."""
+        shapes = self.get(session, max_age_s)
+        autoscaled = (autoscaled_shape(self.autoscaled_gpus, shapes)
+                      if self.autoscaled_gpus else None)
+        return unsatisfiable_reason(spec, shapes, autoscaled=autoscaled)
+
+    def check(self, session: Session, spec: ResourceSpec) -> None:
+        """Refuse (422) a spec no host shape can ever satisfy, saying why."""
+        if not asks_capacity(spec):
+            return  # as cheap as before requests existed: no hosts query
+        reason = self.reason(session, spec)
+        if reason is not None:
+            reason = self.reason(session, spec, SHAPES_RECHECK_S)
+        if reason is not None:
+            raise InvalidInput(f"resources cannot be satisfied: {reason}", field="resources",
+                               reason="unsatisfiable")
+
+
+def _autoscaler_gpus(host_gpus: str, max_hosts: int) -> tuple[GpuGroup, ...]:
+    """The GPUs of an autoscaled host, or none if the autoscaler adds no hosts. A
+    spec that does not parse adds none either (the control plane's own config is
+    checked where it starts; a user's request must not fail on it)."""
+    if max_hosts <= 0 or not host_gpus.strip():
+        return ()
+    try:
+        return parse_gpu_spec(host_gpus)
+    except InvalidInput:
+        return ()
+
+
+def resolve_resources(session: Session, principal: Principal,
+                      requested: ResourceSpec | None) -> ResourceSpec:
+    """The request as given, else the project's default, else nothing (no GPUs)."""
+    if requested is not None:
+        return requested
+    default = session.execute(
+        select(Project.default_resources).where(Project.id == principal.project_id)
+    ).scalar_one_or_none()
+    return spec_from_json(default)
 
 
 def to_json(ws: Workspace) -> dict[str, Any]:
@@ -32,6 +168,7 @@ def to_json(ws: Workspace) -> dict[str, Any]:
         "generation": ws.generation,
         "host_id": ws.host_id,
         "last_error": ws.last_error,
+        "resources": spec_json(resources_of(ws)),
         "snapshot": _snapshot_summary(ws.snapshot),
         "restore": ws.restore,
         "created_at": iso(ws.created_at),
@@ -79,7 +216,9 @@ def get_visible(session: Session, principal: Principal, workspace_id: str,
     return ws
 
 
-def create(session: Session, principal: Principal, name: str, now: datetime) -> Workspace:
+def create(session: Session, principal: Principal, name: str, now: datetime,
+           resources: ResourceSpec | None = None) -> Workspace:
+    """A new workspace asking for ``resources`` (already resolved and checked)."""
     ws = Workspace(
         id=new_id("ws"),
         org_id=principal.org_id,
@@ -91,6 +230,7 @@ def create(session: Session, principal: Principal, name: str, now: datetime) -> 
         generation=1,
         pending=True,
         attempts=0,
+        resources=spec_json(resources or ResourceSpec()),
         created_at=now,
         updated_at=now,
     )

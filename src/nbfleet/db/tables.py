@@ -58,6 +58,9 @@ class Project(Base):
     job_max_queued: Mapped[int | None] = mapped_column(Integer)
     #: The job tiers the project may use (None: all of them).
     job_tiers: Mapped[list[str] | None] = mapped_column(JSON(none_as_null=True))
+    #: What a workspace created without a resource request asks for (the JSON of a
+    #: ``model.cluster.ResourceSpec``; None: nothing, i.e. no GPUs).
+    default_resources: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
     created_at: Mapped[datetime]
 
 
@@ -111,6 +114,17 @@ class Workspace(Base):
     snapshot: Mapped[dict[str, Any] | None]
     #: What the last resume restored, per kernel (shown to the user).
     restore: Mapped[dict[str, Any] | None]
+    #: The resolved resource request (a ``ResourceSpec``'s JSON), fixed at creation
+    #: so a later change of the project's default leaves it alone. None: a row from
+    #: before requests existed, which asked for nothing.
+    resources: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
+    #: Where the GPU scheduler placed the kernel: ``{"hosts": [...], "reserved":
+    #: [...]}`` (its replicas' hosts, and GPUs held for its whole life). A new
+    #: control plane rebuilds its model from it. None: no GPUs, or not placed.
+    gpu_placement: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
+    #: The host the scheduler moves the kernel to (a cell's GPUs are there): its
+    #: state is saved, and the next placement starts it on this host.
+    move_to: Mapped[str | None] = mapped_column(String(40))
     created_at: Mapped[datetime]
     updated_at: Mapped[datetime]
 

@@ -25,7 +25,7 @@ from nbfleet.model.cluster import Host, ResourceSpec
 from nbfleet.model.errors import DomainError, InvalidInput, NotFound
 from nbfleet.model.jobs import JobState, Scalar, check_args, input_fingerprint
 from nbfleet.model.pricing import hold_amount
-from nbfleet.model.resources import GpuGroup, HostInventory
+from nbfleet.model.resources import GpuGroup, HostInventory, inventory_from_json
 from nbfleet.policy.gpu_fit import choose_gpus
 
 #: The PostgreSQL channel the dispatcher listens on.
@@ -89,8 +89,7 @@ Shape = tuple[GpuGroup, ...]
 
 def gpu_groups(inventory: dict[str, Any]) -> Shape:
     """The GPU groups of an agent's registered inventory."""
-    return tuple(GpuGroup(int(g["count"]), str(g["type"]), int(g["vram_gb"]))
-                 for g in inventory.get("gpus", []))
+    return inventory_from_json(inventory).gpus
 
 
 def fleet_shapes(session: Session) -> list[Shape]:

@@ -1,4 +1,5 @@
-"""Code loaded inside user kernels: capture of in-memory state for suspend/resume.
+"""Code loaded inside user kernels: capture of in-memory state for suspend/resume,
+and each cell's GPU binding (:mod:`nbfleet.kernel.gpu`).
 
 The agent starts kernels with ``--ext nbfleet.kernel`` and ``NBFLEET_STATE_DIR``
 set; the extension then keeps ``<dir>/blobs`` up to date in the background and
@@ -15,12 +16,14 @@ import os
 from pathlib import Path
 from typing import Any
 
+from nbfleet.kernel import gpu as _gpu
 from nbfleet.kernel import restore as _restore
 from nbfleet.kernel import snapshot as _snapshot
 from nbfleet.kernel.blobs import INLINE_LIMIT
 from nbfleet.kernel.capture import Capture
+from nbfleet.kernel.gpu import current_binding
 
-__all__ = ["INLINE_LIMIT", "flush", "load_ipython_extension", "restore",
+__all__ = ["INLINE_LIMIT", "current_binding", "flush", "load_ipython_extension", "restore",
            "unload_ipython_extension"]
 
 log = logging.getLogger("nbfleet.kernel")
@@ -54,6 +57,7 @@ def _state_dir() -> Path | None:
 
 def load_ipython_extension(ip: Any) -> None:
     global _capture, _shell
+    _gpu.load(ip)  # with or without state capture: a GPU cell needs its devices
     _preimport(os.environ.get(PREIMPORT_ENV, ""))
     if _capture is not None:
         return
@@ -71,6 +75,7 @@ def load_ipython_extension(ip: Any) -> None:
 def unload_ipython_extension(ip: Any) -> None:
     global _capture, _shell
     capture, _capture, _shell = _capture, None, None
+    _gpu.unload()
     if capture is not None:
         capture.stop()
 

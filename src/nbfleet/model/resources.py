@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from nbfleet.model.errors import InvalidInput
 
@@ -53,3 +55,12 @@ def parse_gpu_spec(spec: str) -> tuple[GpuGroup, ...]:
         vram = int(match["vram"])
         groups.append(GpuGroup(count, f"{match['type']}-{vram}GB", vram))
     return tuple(groups)
+
+
+def inventory_from_json(inventory: Mapping[str, Any], missing: int = 0) -> HostInventory:
+    """An agent's registered inventory (``agent/service.py registration()``); a CPU or
+    memory figure it does not state reads as ``missing``."""
+    return HostInventory(
+        int(inventory.get("millicpus", missing)), int(inventory.get("memory_mb", missing)),
+        tuple(GpuGroup(int(g["count"]), str(g["type"]), int(g["vram_gb"]))
+              for g in inventory.get("gpus", ())))

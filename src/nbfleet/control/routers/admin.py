@@ -8,11 +8,14 @@ from typing import Any, Literal
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
-from nbfleet.control import tenancy
+from nbfleet.control import tenancy, workspaces
 from nbfleet.control.auth import Principal
 from nbfleet.control.deps import platform_of, require_admin
+from nbfleet.control.routers.workspaces import fleet_shapes
 from nbfleet.db.tables import Agent
+from nbfleet.model.cluster import ResourceSpec
 from nbfleet.model.errors import InvalidInput
 from nbfleet.model.limits import Limits
 from nbfleet.web.render import iso
@@ -57,16 +60,31 @@ class ProjectSettings(BaseModel):
         None, description="'egress': the project's kernels reach the public internet "
                           "(never the platform's hosts or private ranges); 'none' or null: "
                           "no network (applies from a workspace's next start)")
+    resources: workspaces.ResourceRequest | None = Field(
+        None, description="What the project's workspaces ask for when created without a "
+                          "request of their own (null: nothing, i.e. no GPUs); existing "
+                          "workspaces keep what they were created with")
 
 
 @router.put("/orgs/{org}/projects/{project}/settings",
             summary="Set a project's idle-suspend timeout and kernel limits")
 async def project_settings(org: str, project: str, body: ProjectSettings, request: Request,
                            _: Principal = Depends(require_admin)) -> dict[str, Any]:
+    """A PUT replaces every setting: one left out (or null) returns to the default.
+    A default resource request no host shape can satisfy is refused (422), as a
+    workspace's own request would be."""
     limits = Limits.parse(body.kernel_memory, body.kernel_cpus, body.kernel_pids,
                           body.workspace_disk)
-    await asyncio.to_thread(tenancy.set_project_settings, platform_of(request).db, org,
-                            project, body.idle_suspend_s, limits, body.network)
+    spec = body.resources.spec() if body.resources is not None else ResourceSpec()
+    shapes = fleet_shapes(request)
+
+    def check(session: Session) -> None:
+        shapes.check(session, spec)
+
+    await asyncio.to_thread(
+        tenancy.set_project_settings, platform_of(request).db, org, project,
+        body.idle_suspend_s, limits, body.network,
+        workspaces.spec_json(spec) if body.resources is not None else None, check)
     return {"org": org, "project": project, **body.model_dump()}
 
 

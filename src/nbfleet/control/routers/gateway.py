@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,9 @@ from nbfleet.agent.wire import V1_PROTOCOL
 from nbfleet.control import hosts, workspaces
 from nbfleet.control.auth import Principal, resolve
 from nbfleet.control.deps import current_principal, platform_of, token_of
+from nbfleet.control.fleet.cellgate import CellGate
+from nbfleet.control.fleet.moves import request_move
+from nbfleet.control.fleet.relay import GpuRelay, Location
 from nbfleet.control.platform import Platform
 from nbfleet.db.tables import Agent, Kernel
 from nbfleet.model.errors import Conflict, DomainError, InvalidInput, NotFound
@@ -47,6 +51,9 @@ class Placement:
     generation: int
     kernel_ids: tuple[str, ...]
     specs: dict[str, Any]
+    #: GPUs each cell binds (0: the workspace has none, and its frames pass untouched).
+    gpus: int = 0
+    host_id: str = ""
 
 
 def _placement(platform: Platform, principal: Principal, workspace_id: str) -> Placement:
@@ -65,7 +72,8 @@ def _placement(platform: Platform, principal: Principal, workspace_id: str) -> P
             session.execute(select(Kernel.id).where(Kernel.workspace_id == ws.id)).scalars()
         )
         specs = dict(agent.inventory.get("kernelspecs", {}))
-        return Placement(agent.url, ws.generation, kernel_ids, specs)
+        return Placement(agent.url, ws.generation, kernel_ids, specs,
+                         workspaces.resources_of(ws).gpus, agent.id)
 
 
 def _any_specs(platform: Platform, principal: Principal, workspace_id: str) -> dict[str, Any]:
@@ -155,15 +163,20 @@ def _delete_kernel_row(platform: Platform, kernel_id: str) -> None:
             session.delete(row)
 
 
-async def _kernel_host(platform: Platform, principal: Principal, workspace_id: str,
-                       kernel_id: str) -> str:
+async def _kernel_placement(platform: Platform, principal: Principal, workspace_id: str,
+                            kernel_id: str) -> Placement:
     try:
         where = await asyncio.to_thread(_placement, platform, principal, workspace_id)
     except Conflict as exc:
         raise NotFound(f"kernel {kernel_id} is not running: {exc.detail}") from exc
     if kernel_id not in where.kernel_ids:
         raise NotFound(f"kernel {kernel_id} not found")
-    return where.host_url
+    return where
+
+
+async def _kernel_host(platform: Platform, principal: Principal, workspace_id: str,
+                       kernel_id: str) -> str:
+    return (await _kernel_placement(platform, principal, workspace_id, kernel_id)).host_url
 
 
 async def kernel_host(workspace_id: str, kernel_id: str, request: Request,
@@ -191,7 +204,9 @@ async def delete_kernel(kernel_id: str, request: Request,
 @router.post("/api/kernels/{kernel_id}/interrupt", status_code=204, summary="Interrupt a kernel")
 async def interrupt_kernel(kernel_id: str, request: Request,
                            host: str = Depends(kernel_host)) -> Response:
-    await platform_of(request).agents.interrupt(host, kernel_id)
+    platform = platform_of(request)
+    platform.fleet.gates.interrupt(kernel_id)  # a cell waiting for GPUs is withdrawn
+    await platform.agents.interrupt(host, kernel_id)
     return Response(status_code=204)
 
 
@@ -206,28 +221,88 @@ async def kernel_channels(websocket: WebSocket, workspace_id: str, kernel_id: st
     platform: Platform = websocket.app.state.platform
     try:
         principal = await asyncio.to_thread(_principal, platform, websocket)
-        host = await _kernel_host(platform, principal, workspace_id, kernel_id)
+        where = await _kernel_placement(platform, principal, workspace_id, kernel_id)
     except DomainError as exc:
         await deny_websocket(websocket, exc)
         return
-    upstream_url = platform.agents.channels_url(host, kernel_id)
-    # Offer the agent the client's protocol; frames then pass through untouched.
     wants_v1 = V1_PROTOCOL in (websocket.scope.get("subprotocols") or [])
-    try:
-        upstream = await websockets.connect(
-            upstream_url,
+
+    async def connect(where: Location) -> Any:
+        # Offer the agent the client's protocol; frames then pass through untouched.
+        return await websockets.connect(
+            platform.agents.channels_url(where.host_url, kernel_id),
             additional_headers={"Authorization": f"Bearer {platform.config.secret}"},
             subprotocols=[V1_PROTOCOL] if wants_v1 else None,  # type: ignore[list-item]
             max_size=None,
             compression=None,
             open_timeout=10,
         )
+
+    here = Location(where.host_id, where.host_url)
+    try:
+        upstream = await connect(here)
     except (OSError, websockets.WebSocketException) as exc:
-        log.warning("cannot reach kernel %s on %s: %s", kernel_id, host, exc)
+        log.warning("cannot reach kernel %s on %s: %s", kernel_id, where.host_url, exc)
         await websocket.close(code=1011, reason="kernel host unreachable")
         return
     await websocket.accept(subprotocol=upstream.subprotocol)
-    await _pump_both_ways(websocket, upstream)
+    if where.gpus == 0:
+        await _pump_both_ways(websocket, upstream)
+        return
+
+    async def locate() -> Location | None:
+        try:
+            now = await _kernel_placement(platform, principal, workspace_id, kernel_id)
+        except DomainError:
+            return None
+        return Location(now.host_id, now.host_url)
+
+    async def move(host_id: str) -> bool:
+        moved = await asyncio.to_thread(request_move, platform.db, workspace_id, host_id)
+        platform.wake()
+        return moved
+
+    async def changed() -> None:
+        await platform.changed().wait()
+
+    relay = GpuRelay(_sender(websocket), _receiver(websocket), upstream, here, locate, connect,
+                     move, changed)
+    async def interrupt() -> None:
+        with contextlib.suppress(DomainError):
+            await platform.agents.interrupt(relay.here.host_url, kernel_id)
+
+    gate = relay.gate = CellGate(
+        lambda: platform.fleet.scheduler, workspace_id, kernel_id, where.gpus,
+        upstream.subprotocol, _sender(websocket), relay.to_kernel, relay.current_host,
+        relay.move_to, platform.fleet.admit, interrupt)
+    platform.fleet.gates.add(gate)
+    gate.start()
+    try:
+        await relay.run()
+    finally:
+        platform.fleet.gates.remove(gate)
+        await gate.close()
+        with contextlib.suppress(Exception):
+            await websocket.close()
+
+
+def _receiver(client: WebSocket) -> Callable[[], Awaitable[str | bytes | None]]:
+    async def receive() -> str | bytes | None:
+        event = await client.receive()
+        if event["type"] == "websocket.disconnect":
+            return None
+        data = event.get("text")
+        return data if data is not None else event.get("bytes") or b""
+    return receive
+
+
+def _sender(client: WebSocket) -> Callable[[str | bytes], Awaitable[None]]:
+    async def send(frame: str | bytes) -> None:
+        if isinstance(frame, str):
+            await client.send_text(frame)
+        else:
+            await client.send_bytes(frame)
+    return send
 
 
 def _principal(platform: Platform, websocket: WebSocket) -> Principal:

@@ -11,7 +11,8 @@ from pydantic import BaseModel, Field
 from nbfleet.control import hosts
 from nbfleet.control.deps import platform_of
 from nbfleet.jobs import attempts
-from nbfleet.model.errors import Unauthorized
+from nbfleet.model.errors import InvalidInput, Unauthorized
+from nbfleet.protocol.gpu import ReleasedCells
 from nbfleet.web.credentials import is_cluster_secret
 from nbfleet.web.problems import bearer_token
 
@@ -64,6 +65,15 @@ def agent_heartbeat(agent_id: str, body: Heartbeat, request: Request) -> None:
         for death in body.kernel_deaths:
             hosts.kernel_died(session, agent_id, death.workspace_id,
                               f"kernel {death.kernel_id}: {death.reason}")
+
+
+@router.post("/agents/{agent_id}/released", status_code=204)
+async def cells_released(agent_id: str, body: ReleasedCells, request: Request) -> None:
+    """An agent reports GPU cells that ended (reply, interrupt, death, suspend); the
+    scheduler releases those it placed on that agent, and ignores the rest."""
+    if body.agent_id != agent_id:
+        raise InvalidInput("agent_id in the body does not match the path")
+    platform_of(request).fleet.released(agent_id, body.task_ids)
 
 
 class AttemptBeat(BaseModel):

@@ -27,19 +27,40 @@ router = APIRouter(prefix="/v1/workspaces", tags=["workspaces"])
 class CreateWorkspace(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(min_length=1, max_length=200)
+    resources: workspaces.ResourceRequest | None = Field(
+        None, description="What the workspace asks for; left out: the project's default "
+                          "(no default: no GPUs). Stored as resolved at creation.")
+
+
+def fleet_shapes(request: Request) -> workspaces.FleetShapes:
+    """This process's cache of the fleet's host shapes (made on first use)."""
+    state = request.app.state
+    shapes: workspaces.FleetShapes | None = getattr(state, "workspace_shapes", None)
+    if shapes is None:
+        config = platform_of(request).config
+        shapes = state.workspace_shapes = workspaces.FleetShapes(config.host_gpus,
+                                                                 config.max_hosts)
+    return shapes
 
 
 @router.post("", status_code=201, summary="Create a workspace")
 def create_workspace(body: CreateWorkspace, request: Request,
                      principal: Principal = Depends(current_principal)) -> JSONResponse:
+    """A resource request no host shape (registered, or the autoscaler's) can ever
+    satisfy is refused with 422 saying what is missing."""
     db = platform_of(request).db
+    shapes = fleet_shapes(request)
 
     def action(session: Session) -> tuple[int, dict[str, Any]]:
-        ws = workspaces.create(session, principal, body.name, db.now(session))
+        spec = workspaces.resolve_resources(
+            session, principal, body.resources.spec() if body.resources else None)
+        shapes.check(session, spec)
+        ws = workspaces.create(session, principal, body.name, db.now(session), spec)
         session.flush()
         return 201, workspaces.to_json(ws)
 
-    return idempotent_reply(request, principal, body.model_dump(), action)
+    # Without ``resources`` the request hashes as it did before requests existed.
+    return idempotent_reply(request, principal, body.model_dump(exclude_none=True), action)
 
 
 @router.get("", summary="List workspaces")

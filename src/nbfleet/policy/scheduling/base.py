@@ -139,7 +139,8 @@ class FleetPolicy:
     def open_session(self, request: KernelRequest, now: float) -> list[Decision]:
         if request.id in self.kernels:
             raise ValueError(f"kernel {request.id} is already open")
-        if not fits_shape(self._shape, request.spec):
+        if not fits_shape(self._shape, request.spec) and not any(
+                fits_shape(h, request.spec) for h in self.hosts.values()):
             return [Unschedulable(request.id, "no host shape has GPUs that fit "
                                   f"{request.spec.gpus} x {request.spec.gpu_types or 'any'}"
                                   f" with {request.spec.vram_gb} GB")]
@@ -171,14 +172,18 @@ class FleetPolicy:
         if kernel.placed and (not self.strict_fifo or not self.queue):
             started = self.start_task(task, kernel, now)
             if started is not None:
-                self._record_start(task, started)
+                self.record_start(task, started)
                 return started
         self.queue.append(task)
         reason = "waiting for its kernel to be placed" if not kernel.placed else "no free GPUs"
         return [Queued(task.id, reason), *self._scale_for_backlog(now)]
 
     def finish(self, task_id: str, now: float) -> list[Decision]:
-        running = self.running.pop(task_id)
+        """The task ended (reply, interrupt, death). Unknown ids are ignored, so a
+        release reported twice (by the gateway and by the agent) is harmless."""
+        running = self.running.pop(task_id, None)
+        if running is None:
+            return []
         host = self.hosts.get(running.host_id)
         if host is not None:
             host.release(task_id)
@@ -187,6 +192,45 @@ class FleetPolicy:
             kernel.last_active = now
             kernel.running = None
         return self.after_task(running, now) + self._settle(now)
+
+    def cancel(self, task_id: str, now: float) -> bool:
+        """Withdraw a queued task (its cell was interrupted while it waited)."""
+        kept = deque(t for t in self.queue if t.id != task_id)
+        cancelled = len(kept) != len(self.queue)
+        self.queue = kept
+        return cancelled
+
+    def lose_host(self, host_id: str, now: float) -> list[Decision]:
+        """A host died or left without being emptied: what ran there is gone.
+
+        Its tasks end (the caller reports them interrupted), its replicas are
+        dropped, and kernels left with no replica wait to be placed again.
+        """
+        host = self.hosts.pop(host_id, None)
+        if host is None:
+            return []
+        self.warm.pop(host_id, None)
+        self.warming.pop(host_id, None)
+        for task_id in [t for t, r in self.running.items() if r.host_id == host_id]:
+            running = self.running.pop(task_id)
+            kernel = self.kernels.get(running.task.kernel_id)
+            if kernel is not None:
+                kernel.running = None
+        for kernel in self.kernels.values():
+            if host_id not in kernel.hosts:
+                continue
+            kernel.hosts.remove(host_id)
+            if kernel.last_executor == host_id:
+                kernel.last_executor = None
+            if not kernel.hosts and kernel.placed and self.holds_hosts(kernel):
+                kernel.placed = False
+                self.waiting_kernels.append(kernel.id)
+        return self._settle(now) + self._scale_for_backlog(now)
+
+    def holds_hosts(self, kernel: KernelState) -> bool:
+        """Whether this policy's placed kernels live on hosts (not so for ``batch``
+        and ``lcp``, whose sessions own nothing between tasks)."""
+        return True
 
     def prewarmed(self, host_id: str, count: int, now: float) -> list[Decision]:
         """Containers a ``Prewarm`` asked for are ready (ignored if the host left)."""
@@ -256,7 +300,7 @@ class FleetPolicy:
         self.warming[host.id] += missing
         return [Prewarm(host.id, missing)]
 
-    def _record_start(self, task: TaskRequest, decisions: list[Decision]) -> None:
+    def record_start(self, task: TaskRequest, decisions: list[Decision]) -> None:
         started = decisions[0]
         assert isinstance(started, Started)
         self.running[task.id] = RunningTask(task, started.host_id, started.path)
@@ -294,7 +338,7 @@ class FleetPolicy:
                     kept.extend(self.queue)
                     self.queue.clear()
                 continue
-            self._record_start(task, started)
+            self.record_start(task, started)
             out += started
         self.queue = kept
         return out

@@ -16,6 +16,9 @@ class Batch(FleetPolicy):
     name = "batch"
     strict_fifo = True
 
+    def holds_hosts(self, kernel: KernelState) -> bool:
+        return False
+
     def place_kernel(self, kernel: KernelState, now: float) -> list[Decision] | None:
         return [Placed(kernel.id, ())]  # nothing runs until a task arrives
 

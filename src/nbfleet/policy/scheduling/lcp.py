@@ -15,6 +15,9 @@ from nbfleet.policy.scheduling.decisions import Decision, Placed, StartPath, Tas
 class LargeContainerPool(FleetPolicy):
     name = "lcp"
 
+    def holds_hosts(self, kernel: KernelState) -> bool:
+        return False
+
     def place_kernel(self, kernel: KernelState, now: float) -> list[Decision] | None:
         return [Placed(kernel.id, ())]
 

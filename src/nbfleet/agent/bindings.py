@@ -1,0 +1,191 @@
+"""Per-cell GPU bindings the agent has forwarded, and the reports that they ended.
+
+The control plane commits GPUs to a cell when it sends the cell's
+``execute_request`` (see :mod:`nbfleet.protocol.gpu`). The agent remembers each
+binding until the cell's ``execute_reply``, or until the kernel dies, restarts or
+is shut down, and then tells the control plane which tasks ended. Telling it is
+off the kernel's hot path: ending a binding only puts task ids in a
+:class:`ReleaseQueue`, which the service drains over HTTP with retries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+
+from pydantic import ValidationError
+
+from nbfleet.protocol.gpu import ActiveBinding, CellBinding
+
+log = logging.getLogger(__name__)
+
+#: At most this many GPUs per cell, each index below ``MAX_GPU_INDEX``: anything
+#: larger is malformed, and is refused before it costs validation time.
+MAX_GPUS = 256
+MAX_GPU_INDEX = 4096
+#: Bindings one kernel may hold (queued cells included); the oldest is released past it.
+KERNEL_LIMIT = 10_000
+#: Task ids kept for a control plane that does not answer; the oldest are dropped past it
+#: (a restarted control plane asks ``GET /bindings`` for what is still busy anyway).
+PENDING_LIMIT = 100_000
+#: Task ids per report (``ReleasedCells`` accepts up to 10 000).
+BATCH_LIMIT = 1000
+BACKOFF_START_S = 0.5
+BACKOFF_MAX_S = 30.0
+
+
+def parse_binding(raw: object) -> CellBinding | None:
+    """The binding in an ``execute_request``'s metadata, or None if it is malformed.
+
+    A malformed binding is logged and treated as no binding: the agent must not
+    fail on what a client sent. Types are checked strictly (pydantic alone would
+    take ``"1"`` or ``true`` as GPU 1), and sizes before anything is built.
+    """
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        log.warning("ignoring a malformed GPU binding: not an object")
+        return None
+    indices = raw.get("gpu_indices", [])
+    if not (isinstance(indices, list) and len(indices) <= MAX_GPUS
+            and all(type(i) is int and 0 <= i < MAX_GPU_INDEX for i in indices)
+            and len(set(indices)) == len(indices)):
+        log.warning("ignoring a malformed GPU binding: bad gpu_indices")
+        return None
+    task_id, host_id = raw.get("task_id"), raw.get("host_id")
+    gpu_type = raw.get("gpu_type", "")
+    if not (isinstance(task_id, str) and isinstance(host_id, str)
+            and isinstance(gpu_type, str) and len(gpu_type) <= 200):
+        log.warning("ignoring a malformed GPU binding: bad task_id, host_id or gpu_type")
+        return None
+    try:
+        return CellBinding(task_id=task_id, host_id=host_id, gpu_indices=tuple(indices),
+                           gpu_type=gpu_type)
+    except ValidationError as exc:
+        log.warning("ignoring a malformed GPU binding: %s", exc.errors()[0].get("msg"))
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class _Bound:
+    binding: CellBinding
+    started: float  # time.monotonic()
+
+
+class KernelBindings:
+    """The bindings of one kernel's cells that have not replied yet, by request msg_id.
+
+    Every ending goes to ``on_release`` (task ids), which must not block: the
+    kernel's message loop calls it.
+    """
+
+    def __init__(self) -> None:
+        self._bound: OrderedDict[str, _Bound] = OrderedDict()
+        self.on_release: Callable[[list[str]], None] = lambda task_ids: None
+
+    def __len__(self) -> int:
+        return len(self._bound)
+
+    def start(self, msg_id: str, binding: CellBinding) -> None:
+        ended = []
+        old = self._bound.pop(msg_id, None)
+        if old is not None and old.binding.task_id != binding.task_id:
+            ended.append(old.binding.task_id)  # a reused msg_id: the first can never reply
+        self._bound[msg_id] = _Bound(binding, time.monotonic())
+        while len(self._bound) > KERNEL_LIMIT:
+            _, oldest = self._bound.popitem(last=False)
+            log.warning("too many cells bound in one kernel; releasing task %s",
+                        oldest.binding.task_id)
+            ended.append(oldest.binding.task_id)
+        if ended:
+            self._release(ended)
+
+    def end(self, msg_id: str | None) -> None:
+        """The cell ``msg_id`` replied (or will never run)."""
+        if msg_id is None:
+            return
+        bound = self._bound.pop(msg_id, None)
+        if bound is not None:
+            self._release([bound.binding.task_id])
+
+    def end_all(self, keep: Iterable[str] = ()) -> None:
+        """The kernel died, restarts or stops: every cell in it ends, but ``keep``."""
+        kept = {msg_id: self._bound[msg_id] for msg_id in keep if msg_id in self._bound}
+        ended = [b.binding.task_id for msg_id, b in self._bound.items() if msg_id not in kept]
+        self._bound = OrderedDict(kept)
+        if ended:
+            self._release(ended)
+
+    def active(self, kernel_id: str, now: float | None = None) -> list[ActiveBinding]:
+        moment = time.monotonic() if now is None else now
+        return [ActiveBinding(kernel_id=kernel_id, msg_id=msg_id, binding=b.binding,
+                              age_s=max(0.0, moment - b.started))
+                for msg_id, b in self._bound.items()]
+
+    def _release(self, task_ids: list[str]) -> None:
+        try:
+            self.on_release(task_ids)
+        except Exception:  # a reporting fault must never break the kernel's relay
+            log.exception("could not queue the release of %s", task_ids)
+
+
+class ReleaseQueue:
+    """Task ids whose bindings ended, waiting to be told to the control plane.
+
+    :meth:`put` never blocks and never fails, so kernels call it directly;
+    :meth:`drain_forever` sends what accumulated, a batch at a time, retrying
+    with backoff. ``send`` returns normally when the control plane took the
+    batch (or had nothing to do with it, e.g. 404) and raises to have it retried.
+    """
+
+    def __init__(self) -> None:
+        self._pending: dict[str, None] = {}  # ordered and deduplicated
+        self._wake = asyncio.Event()
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def put(self, task_ids: Iterable[str]) -> None:
+        for task_id in task_ids:
+            self._pending[task_id] = None
+        overflow = len(self._pending) - PENDING_LIMIT
+        if overflow > 0:
+            log.warning("dropping %d unreported GPU releases", overflow)
+            for task_id in list(self._pending)[:overflow]:
+                del self._pending[task_id]
+        if self._pending:
+            self._wake.set()
+
+    def pending(self) -> list[str]:
+        return list(self._pending)
+
+    async def send_once(self, send: Callable[[list[str]], Awaitable[None]]) -> None:
+        """Send the oldest batch; it leaves the queue only once ``send`` returns."""
+        batch = list(itertools.islice(self._pending, BATCH_LIMIT))
+        if batch:
+            await send(batch)
+            for task_id in batch:
+                self._pending.pop(task_id, None)
+
+    async def drain_forever(self, send: Callable[[list[str]], Awaitable[None]]) -> None:
+        delay = BACKOFF_START_S
+        while True:
+            if not self._pending:
+                self._wake.clear()
+                await self._wake.wait()
+            try:
+                await self.send_once(send)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("could not report %d GPU releases (%s); retrying in %.1fs",
+                            len(self._pending), exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, BACKOFF_MAX_S)
+            else:
+                delay = BACKOFF_START_S

@@ -1,0 +1,346 @@
+"""The live side of a scheduling policy: it feeds the policy the platform's events
+and carries out the decisions the policy answers with.
+
+The policy (``policy/scheduling``) is the very object ``nbfleet sim`` runs; it
+never does I/O and reads no clock. This class is the only place the live
+platform calls it, so every event passes here in order, on the control plane's
+event loop, and every decision is logged (the same record the simulator keeps,
+which is how the two are compared). What a decision needs done outside the
+model (start a host, prewarm containers, wake a waiting cell, move a kernel) is
+handed to the :class:`Effects` the caller supplies.
+
+Identities: a policy *kernel* is a workspace (its runtime holds the GPU
+subscription); a policy *task* is one cell, ``{jupyter kernel id}/{msg_id}``.
+Time is the scheduler's monotonic clock in seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from nbfleet.model.cluster import Host, ResourceSpec
+from nbfleet.model.resources import HostInventory
+from nbfleet.policy.scheduling.adopt import adopt_kernel, adopt_task
+from nbfleet.policy.scheduling.base import FleetPolicy, FleetSnapshot
+from nbfleet.policy.scheduling.decisions import (
+    Decision,
+    KernelRequest,
+    Migrated,
+    Placed,
+    Prewarm,
+    Queued,
+    Reclaimed,
+    ScaleIn,
+    ScaleOut,
+    Started,
+    StartPath,
+    TaskRequest,
+    Unschedulable,
+)
+
+log = logging.getLogger(__name__)
+
+DECISION_LOG = 20_000
+
+
+class CellRefused(Exception):
+    """The cell cannot get GPUs (it never fits, or its kernel is not placed)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class Effects(Protocol):
+    """What carrying out decisions needs from the rest of the platform."""
+
+    def scale_out(self, count: int, reason: str) -> None: ...
+    def scale_in(self, host_ids: tuple[str, ...]) -> None: ...
+    def prewarm(self, host_id: str, count: int) -> None: ...
+    def placements_changed(self) -> None: ...
+    def migrate(self, move: Migrated) -> None: ...
+    def cell_ended(self, task_id: str) -> None: ...
+    def kernel_closed(self, workspace_id: str) -> None: ...
+
+
+class NoEffects:
+    """Effects for a scheduler whose decisions only need recording (tests, rebuild)."""
+
+    def scale_out(self, count: int, reason: str) -> None: ...
+    def scale_in(self, host_ids: tuple[str, ...]) -> None: ...
+    def prewarm(self, host_id: str, count: int) -> None: ...
+    def placements_changed(self) -> None: ...
+    def migrate(self, move: Migrated) -> None: ...
+    def cell_ended(self, task_id: str) -> None: ...
+    def kernel_closed(self, workspace_id: str) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Binding:
+    """GPUs committed to one cell, with what metering and the kernel need."""
+
+    task_id: str
+    workspace_id: str
+    host_id: str
+    gpu_indices: tuple[int, ...]
+    gpu_type: str
+    path: StartPath
+    waited_s: float
+
+
+@dataclass(slots=True)
+class _Waiter:
+    task: TaskRequest
+    future: asyncio.Future[Started]
+    since: float
+
+
+@dataclass(frozen=True, slots=True)
+class LoggedDecision:
+    at: float
+    decision: Decision
+
+
+@dataclass(frozen=True, slots=True)
+class RunningCell:
+    binding: Binding
+    started_at: float
+
+
+@dataclass(slots=True)
+class KernelFacts:
+    """A placed kernel as the database records it (for a rebuild)."""
+
+    workspace_id: str
+    spec: ResourceSpec
+    host_ids: tuple[str, ...]
+    reserved: tuple[int, ...] = ()
+
+
+@dataclass(slots=True)
+class CellFacts:
+    """A cell an agent reports running with GPUs bound (for a rebuild)."""
+
+    task_id: str
+    workspace_id: str
+    host_id: str
+    gpu_indices: tuple[int, ...]
+    #: How long it has run, by the agent's clock.
+    ran_s: float = 0.0
+
+
+@dataclass
+class LiveScheduler:
+    policy: FleetPolicy
+    effects: Effects = field(default_factory=NoEffects)
+    clock: Callable[[], float] = time.monotonic
+
+    def __post_init__(self) -> None:
+        self._epoch = self.clock()
+        self._waiters: dict[str, _Waiter] = {}
+        self.running: dict[str, RunningCell] = {}
+        self.log: deque[LoggedDecision] = deque(maxlen=DECISION_LOG)
+
+    def now(self) -> float:
+        return self.clock() - self._epoch
+
+    # ------------------------------------------------------------------ hosts
+    def host_joined(self, host_id: str, inventory: HostInventory) -> None:
+        if host_id in self.policy.hosts:
+            return
+        self._apply(self.policy.add_host(Host.from_inventory(host_id, inventory), self.now()))
+
+    def host_lost(self, host_id: str) -> list[str]:
+        """The host is gone; returns the cells that were running there."""
+        lost = [t for t, cell in self.running.items() if cell.binding.host_id == host_id]
+        for task_id in lost:
+            del self.running[task_id]
+            self.effects.cell_ended(task_id)
+        self._apply(self.policy.lose_host(host_id, self.now()))
+        return lost
+
+    # ---------------------------------------------------------------- kernels
+    def open_kernel(self, workspace_id: str, spec: ResourceSpec) -> tuple[str, ...] | None:
+        """Place the workspace's kernel (idempotent): its hosts, or None while it
+        waits for capacity. Raises CellRefused if it can never be placed."""
+        kernel = self.policy.kernels.get(workspace_id)
+        if kernel is None:
+            decisions = self.policy.open_session(KernelRequest(workspace_id, spec), self.now())
+            self._apply(decisions)
+            for decision in decisions:
+                if isinstance(decision, Unschedulable) and decision.task_id == workspace_id:
+                    raise CellRefused(decision.reason)
+            kernel = self.policy.kernels[workspace_id]
+        return tuple(kernel.hosts) if kernel.placed else None
+
+    def reserved_gpus(self, workspace_id: str) -> tuple[int, ...]:
+        """GPUs held for the kernel's whole life (``reservation``), on its first host."""
+        kernel = self.policy.kernels.get(workspace_id)
+        if kernel is None or not kernel.hosts or kernel.hosts[0] not in self.policy.hosts:
+            return ()
+        return self.policy.hosts[kernel.hosts[0]].bound(workspace_id)
+
+    def close_kernel(self, workspace_id: str) -> None:
+        for task_id, cell in list(self.running.items()):
+            if cell.binding.workspace_id == workspace_id:
+                self.release(task_id)
+        for task_id, waiter in list(self._waiters.items()):
+            if waiter.task.kernel_id == workspace_id:
+                self.cancel(task_id)
+        self._apply(self.policy.close_session(workspace_id, self.now()))
+        self.effects.kernel_closed(workspace_id)
+
+    # ------------------------------------------------------------------ cells
+    async def acquire(self, task_id: str, workspace_id: str, gpus: int) -> Binding:
+        """Bind GPUs to one cell, waiting in the policy's queue if none are free.
+
+        Cancelling the call (an interrupt, a closed connection) withdraws the cell.
+        """
+        since = self.now()
+        decisions = self.policy.submit(TaskRequest(task_id, workspace_id, gpus), since)
+        self._apply(decisions)
+        first = decisions[0] if decisions else None
+        if isinstance(first, Unschedulable):
+            raise CellRefused(first.reason)
+        if isinstance(first, Started):
+            return self._bound(first, since)
+        future: asyncio.Future[Started] = asyncio.get_running_loop().create_future()
+        self._waiters[task_id] = _Waiter(TaskRequest(task_id, workspace_id, gpus), future, since)
+        try:
+            started = await future
+        except BaseException:
+            self.cancel(task_id)
+            raise
+        return self._bound(started, since)
+
+    def release(self, task_id: str) -> RunningCell | None:
+        """The cell ended; idempotent (the gateway and the agent may both report it)."""
+        cell = self.running.pop(task_id, None)
+        if cell is not None:
+            self.effects.cell_ended(task_id)
+        self._apply(self.policy.finish(task_id, self.now()))
+        return cell
+
+    def cancel(self, task_id: str) -> bool:
+        waiter = self._waiters.pop(task_id, None)
+        if waiter is not None and not waiter.future.done():
+            waiter.future.cancel()
+        if self.policy.cancel(task_id, self.now()):
+            return True
+        if task_id in self.policy.running and task_id not in self.running:
+            # Started by a decision nobody was waiting for any more: give it back.
+            self.release(task_id)
+        return waiter is not None
+
+    def wait_reason(self, task_id: str) -> str | None:
+        """What a waiting cell is waiting for, in the words the notebook shows."""
+        waiter = self._waiters.get(task_id)
+        if waiter is None:
+            return None
+        kernel = self.policy.kernels.get(waiter.task.kernel_id)
+        spec = kernel.spec if kernel is not None else ResourceSpec()
+        kind = " or ".join(spec.gpu_types) if spec.gpu_types else "GPU"
+        what = f"{waiter.task.gpus}x {kind}"
+        if spec.vram_gb:
+            what += f" with {spec.vram_gb} GB"
+        ahead = 0
+        for queued in self.policy.queue:
+            if queued.id == task_id:
+                break
+            ahead += 1
+        parts = [f"waiting for {what}"]
+        if kernel is not None and not kernel.placed:
+            parts.append("the kernel is waiting for a host")
+        parts.append(f"{ahead} cell{'s' if ahead != 1 else ''} ahead" if ahead else "next in line")
+        if self.policy.provisioning:
+            parts.append("a host is being added")
+        return ": ".join(parts[:1]) + (": " + "; ".join(parts[1:]) if len(parts) > 1 else "")
+
+    def waiting_since(self, task_id: str) -> float | None:
+        waiter = self._waiters.get(task_id)
+        return None if waiter is None else self.now() - waiter.since
+
+    def _bound(self, started: Started, since: float) -> Binding:
+        host = self.policy.hosts[started.host_id]
+        types = {g.index: g.gpu_type for g in host.gpus}
+        gpu_type = types[started.gpu_indices[0]] if started.gpu_indices else ""
+        binding = Binding(started.task_id, started.kernel_id, started.host_id,
+                          started.gpu_indices, gpu_type, started.path, self.now() - since)
+        self.running[started.task_id] = RunningCell(binding, self.now())
+        return binding
+
+    # ---------------------------------------------------------------- periodic
+    def tick(self) -> None:
+        self._apply(self.policy.tick(self.now()))
+
+    def snapshot(self) -> FleetSnapshot:
+        return self.policy.snapshot()
+
+    def queue(self) -> list[tuple[TaskRequest, float]]:
+        """The waiting cells, in the order they will be served, with their wait."""
+        now = self.now()
+        return [(t, now - self._waiters[t.id].since if t.id in self._waiters else 0.0)
+                for t in self.policy.queue]
+
+    # ----------------------------------------------------------------- rebuild
+    def rebuild(self, hosts: Iterable[tuple[str, HostInventory]],
+                kernels: Iterable[KernelFacts], cells: Iterable[CellFacts]) -> list[str]:
+        """Load the facts into a fresh model; returns the reported cells it refused
+        (unknown kernel or host, or a GPU already bound): never a double commit."""
+        policy = type(self.policy)(self.policy.config)
+        self.policy = policy
+        self.running.clear()
+        for task_id in list(self._waiters):
+            self.cancel(task_id)
+        for host_id, inventory in hosts:
+            policy.add_host(Host.from_inventory(host_id, inventory), self.now())
+        for facts in kernels:
+            adopt_kernel(policy, KernelRequest(facts.workspace_id, facts.spec), facts.host_ids,
+                         facts.reserved, self.now())
+        refused: list[str] = []
+        for cell in cells:
+            host = policy.hosts.get(cell.host_id)
+            reserved = host is not None and bool(host.bound(cell.workspace_id))
+            path = StartPath.RESERVED if reserved else StartPath.LOCAL
+            task = TaskRequest(cell.task_id, cell.workspace_id, len(cell.gpu_indices))
+            started = adopt_task(policy, task, cell.host_id, cell.gpu_indices, path)
+            if started is None:
+                refused.append(cell.task_id)
+                continue
+            self._bound(started, self.now())
+        return refused
+
+    # ----------------------------------------------------------------- effects
+    def _apply(self, decisions: list[Decision]) -> None:
+        now = self.now()
+        placements = False
+        for decision in decisions:
+            self.log.append(LoggedDecision(now, decision))
+            if isinstance(decision, Started):
+                waiter = self._waiters.pop(decision.task_id, None)
+                if waiter is not None and not waiter.future.done():
+                    waiter.future.set_result(decision)
+            elif isinstance(decision, ScaleOut):
+                self.effects.scale_out(decision.count, decision.reason)
+            elif isinstance(decision, ScaleIn):
+                self.effects.scale_in(decision.host_ids)
+            elif isinstance(decision, (Placed, Reclaimed)):
+                placements = True
+            elif isinstance(decision, Queued):
+                pass
+            elif isinstance(decision, Unschedulable):
+                waiter = self._waiters.pop(decision.task_id, None)
+                if waiter is not None and not waiter.future.done():
+                    waiter.future.set_exception(CellRefused(decision.reason))
+            elif isinstance(decision, Prewarm):
+                self.effects.prewarm(decision.host_id, decision.count)
+            elif isinstance(decision, Migrated):
+                self.effects.migrate(decision)
+        if placements:
+            self.effects.placements_changed()

@@ -1,0 +1,355 @@
+"""The fleet service: one live scheduler per control plane, on the lease holder.
+
+The scheduling policy keeps its model in memory, so exactly one control-plane
+replica may feed it: the one holding the workspace reconciler's lease (which
+also places workspaces). When a replica takes the lease, it *rebuilds* the
+model from what is already true before it decides anything: the hosts that are
+alive, the GPU workspaces placed on them (the database), and the cells the
+agents report running with GPUs bound (each agent, asked directly). So a
+restart or a second replica neither loses nor double-commits a GPU.
+
+Every call into the scheduler happens on the event loop; the reconciler and the
+gateway call this service from async code only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import httpx
+from sqlalchemy import select
+
+from nbfleet.control import hosts
+from nbfleet.control.fleet.cellgate import GateRegistry
+from nbfleet.control.fleet.metering import CellMeter
+from nbfleet.control.fleet.scheduler import (
+    Binding,
+    CellFacts,
+    CellRefused,
+    KernelFacts,
+    LiveScheduler,
+)
+from nbfleet.control.fleet.view import export_gauges
+from nbfleet.control.workspaces import spec_from_json
+from nbfleet.db.tables import Agent, Kernel, Workspace
+from nbfleet.model.cluster import ResourceSpec
+from nbfleet.model.resources import HostInventory, inventory_from_json, parse_gpu_spec
+from nbfleet.model.workspace import WorkspaceState
+from nbfleet.policy.scheduling.base import FleetPolicy
+from nbfleet.policy.scheduling.config import P3_16XLARGE
+from nbfleet.policy.scheduling.decisions import Migrated
+from nbfleet.policy.scheduling.registry import default_config, make_policy
+from nbfleet.policy.shapes import autoscaled_shape
+from nbfleet.protocol.gpu import AgentBindings
+
+if TYPE_CHECKING:
+    from nbfleet.control.platform import Platform
+
+log = logging.getLogger(__name__)
+
+#: A cell the agent no longer reports, and older than this, has ended unseen.
+UNREPORTED_GRACE_S = 5.0
+#: How often running cells are checked against their agents' reports.
+REAP_EVERY_S = 10.0
+#: Workspace states whose runtime holds (or is about to hold) its placement.
+PLACED_STATES = (WorkspaceState.RUNNING, WorkspaceState.RESUMING, WorkspaceState.CREATING,
+                 WorkspaceState.SUSPENDING)
+
+
+@dataclass(frozen=True, slots=True)
+class GpuPlacement:
+    """The scheduler's answer for a GPU workspace that needs a host: its hosts, or
+    why it waits, or why it never can run."""
+
+    hosts: tuple[str, ...] = ()
+    reserved: tuple[int, ...] = ()
+    waiting: str | None = None
+    refused: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Facts:
+    hosts: list[tuple[str, HostInventory, str]]  # id, inventory, url
+    kernels: list[KernelFacts]
+
+
+class FleetService:
+    def __init__(self, platform: Platform) -> None:
+        self.platform = platform
+        self.scheduler: LiveScheduler | None = None
+        self.token: int | None = None
+        self.gates = GateRegistry()
+        self._host_urls: dict[str, str] = {}
+        self._last_tick = self._last_reap = self._last_report = float("-inf")
+        self.meter: CellMeter | None = None
+        self._meters_opened = 0
+
+    # ----------------------------------------------------------- the policy
+    def new_policy(self, fleet: Sequence[HostInventory]) -> FleetPolicy:
+        """The configured policy, sized for this fleet: what a scale-out adds is
+        ``--host-gpus`` (else the largest registered host), and a kernel has no
+        more replicas than the fleet can ever have hosts."""
+        config = self.platform.config
+        base = default_config(config.policy)
+        shape = P3_16XLARGE
+        if config.host_gpus:
+            shape = autoscaled_shape(parse_gpu_spec(config.host_gpus), fleet)
+        else:
+            gpu_hosts = [inv for inv in fleet if inv.gpu_count]
+            if gpu_hosts:
+                shape = max(gpu_hosts, key=lambda inv: (inv.gpu_count, inv.millicpus))
+        most_hosts = max(1, config.max_hosts, len(fleet))
+        replicas = config.replicas or min(base.replicas, most_hosts)
+        idle = min(base.idle_replicas, replicas)
+        base = replace(base, replicas=replicas, idle_replicas=idle)
+        return make_policy(config.policy, base, max_hosts=max(1, config.max_hosts, len(fleet)),
+                           host_shape=shape)
+
+    # ------------------------------------------------------------- the lease
+    async def take_over(self, token: int) -> None:
+        """This replica now holds the lease: rebuild the model from the facts."""
+        facts = await asyncio.to_thread(self._read_facts)
+        self._host_urls = {host_id: url for host_id, _, url in facts.hosts}
+        cells = await self._reported_cells(facts.hosts)
+        policy = self.new_policy([inv for _, inv, _ in facts.hosts])
+        if self.meter is not None:
+            await self.meter.aclose()
+        self.meter = CellMeter(self.platform.db, self.platform.jobs.prices, policy.billing)
+        scheduler = LiveScheduler(policy, effects=_Effects(self))
+        refused = scheduler.rebuild([(h, inv) for h, inv, _ in facts.hosts], facts.kernels, cells)
+        for cell in cells:
+            if cell.task_id not in refused:
+                self.meter.adopt(cell.task_id, len(cell.gpu_indices), cell.ran_s)
+        if refused:
+            log.warning("rebuild refused %d reported cells (unknown or conflicting): %s",
+                        len(refused), refused[:10])
+        old, self.scheduler, self.token = self.scheduler, scheduler, token
+        if old is not None:
+            for task in list(old.queue()):
+                old.cancel(task[0].id)
+        log.info("fleet scheduler (%s) rebuilt: %d hosts, %d GPU kernels, %d running cells",
+                 self.platform.config.policy, len(facts.hosts), len(facts.kernels), len(cells))
+
+    def stand_down(self) -> None:
+        """Another replica holds the lease: stop deciding (waiting cells are told)."""
+        scheduler, self.scheduler, self.token = self.scheduler, None, None
+        if scheduler is not None:
+            for task, _ in scheduler.queue():
+                scheduler.cancel(task.id)
+
+    def _read_facts(self) -> _Facts:
+        config = self.platform.config
+        with self.platform.db.transaction(write=False) as session:
+            now = self.platform.db.now(session)
+            alive = session.execute(
+                select(Agent).where(Agent.last_heartbeat_at >= hosts.alive_since(
+                    now, config.agent_timeout_s)).order_by(Agent.id)).scalars()
+            fleet = [(a.id, inventory_from_json(a.inventory), a.url) for a in alive]
+            kernels: list[KernelFacts] = []
+            for ws in session.execute(
+                    select(Workspace).where(Workspace.state.in_([str(s) for s in PLACED_STATES]),
+                                            Workspace.gpu_placement.is_not(None))).scalars():
+                placement = ws.gpu_placement or {}
+                kernels.append(KernelFacts(
+                    ws.id, spec_from_json(ws.resources), tuple(placement.get("hosts", ())),
+                    tuple(placement.get("reserved", ()))))
+        return _Facts(fleet, kernels)
+
+    async def _reported_cells(self, fleet: list[tuple[str, HostInventory, str]]) -> list[CellFacts]:
+        """Every alive agent's bound cells; an agent that does not answer has none
+        we can trust (its host is lost soon if it is really gone)."""
+        answers = await asyncio.gather(*(self._bindings_on(url) for _, _, url in fleet))
+        cells: list[CellFacts] = []
+        for (host_id, _, _), report in zip(fleet, answers, strict=True):
+            for active in report.bindings if report is not None else ():
+                binding = active.binding
+                if binding.host_id != host_id:
+                    continue  # a binding for another host is not this host's to report
+                workspace_id = self._workspace_of(active.kernel_id)
+                if workspace_id is not None:
+                    cells.append(CellFacts(binding.task_id, workspace_id, host_id,
+                                           tuple(binding.gpu_indices), active.age_s))
+        return cells
+
+    async def _bindings_on(self, url: str) -> AgentBindings | None:
+        try:
+            body = await self.platform.agents.bindings(url)
+        except (httpx.HTTPError, OSError, ValueError) as exc:
+            log.warning("agent %s did not report its bindings: %s", url, exc)
+            return None
+        return body
+
+    def _workspace_of(self, kernel_id: str) -> str | None:
+        with self.platform.db.transaction(write=False) as session:
+            row = session.get(Kernel, kernel_id)
+            return row.workspace_id if row is not None else None
+
+    # ---------------------------------------------------------------- ledger
+    async def admit(self, binding: Binding, on_refused: Callable[[str], None]) -> str | None:
+        """Meter a cell that got its GPUs; the reason it may not run, or None."""
+        meter = self.meter
+        if meter is None:
+            return "the GPU scheduler is restarting; run the cell again"
+        return await meter.admit(binding.task_id, binding.workspace_id, binding.gpu_type,
+                                 len(binding.gpu_indices), on_refused)
+
+    def _meter_kernels(self, scheduler: LiveScheduler, meter: CellMeter) -> None:
+        """What each kernel pays for itself: its standby replicas, or its reservation."""
+        policy = scheduler.policy
+        for kernel in policy.kernels.values():
+            if not kernel.hosts or kernel.hosts[0] not in policy.hosts:
+                continue
+            first = policy.hosts[kernel.hosts[0]]
+            gpu_type = next((g.gpu_type for g in first.gpus if g.satisfies(kernel.spec)), "")
+            if policy.billing == "reserved":
+                billed = len(first.bound(kernel.id))
+            else:
+                executing = kernel.running is not None and kernel.last_executor in kernel.hosts
+                billed = (len(kernel.hosts) - int(executing)) * kernel.spec.gpus
+            if kernel.id not in meter.kernels_metered():
+                self._meters_opened += 1
+            meter.kernel_gpus(kernel.id, f"{self.platform.instance_id}.{self._meters_opened}",
+                              gpu_type, billed)
+
+    # ---------------------------------------------------------------- events
+    def place(self, workspace_id: str, spec: ResourceSpec) -> GpuPlacement:
+        """Open (or look up) the workspace's kernel in the policy (idempotent)."""
+        scheduler = self.scheduler
+        if scheduler is None:
+            return GpuPlacement(waiting="the GPU scheduler is starting")
+        try:
+            placed = scheduler.open_kernel(workspace_id, spec)
+        except CellRefused as refused:
+            return GpuPlacement(refused=refused.reason)
+        if placed is None:
+            kinds = " or ".join(spec.gpu_types) or "GPU"
+            reason = f"waiting for a host with room for {spec.gpus}x {kinds}"
+            if scheduler.policy.provisioning:
+                reason += "; a host is being added"
+            return GpuPlacement(waiting=reason)
+        return GpuPlacement(placed, scheduler.reserved_gpus(workspace_id))
+
+    def close(self, workspace_id: str) -> None:
+        """The workspace's runtime is gone (suspended, deleted): drop its kernel."""
+        if self.scheduler is not None:
+            self.scheduler.close_kernel(workspace_id)
+
+    async def sync_hosts(self) -> None:
+        """Feed the scheduler the hosts that joined or died since the last pass."""
+        scheduler = self.scheduler
+        if scheduler is None:
+            return
+        facts = await asyncio.to_thread(self._alive_hosts)
+        alive = {host_id for host_id, _, _ in facts}
+        for host_id, inventory, url in facts:
+            self._host_urls[host_id] = url
+            if host_id not in scheduler.policy.hosts:
+                scheduler.host_joined(host_id, inventory)
+        for host_id in [h for h in scheduler.policy.hosts if h not in alive]:
+            lost = scheduler.host_lost(host_id)
+            if lost:
+                log.warning("host %s lost with %d cells running", host_id, len(lost))
+
+    def _alive_hosts(self) -> list[tuple[str, HostInventory, str]]:
+        config = self.platform.config
+        with self.platform.db.transaction(write=False) as session:
+            now = self.platform.db.now(session)
+            alive = session.execute(
+                select(Agent).where(Agent.last_heartbeat_at >= hosts.alive_since(
+                    now, config.agent_timeout_s)).order_by(Agent.id)).scalars()
+            return [(a.id, inventory_from_json(a.inventory), a.url) for a in alive]
+
+    def released(self, agent_id: str, task_ids: Sequence[str]) -> int:
+        """An agent reports cells that ended; only that host's cells are released."""
+        scheduler = self.scheduler
+        if scheduler is None:
+            return 0
+        count = 0
+        for task_id in task_ids:
+            cell = scheduler.running.get(task_id)
+            if cell is not None and cell.binding.host_id == agent_id:
+                scheduler.release(task_id)
+                count += 1
+        return count
+
+    async def reap_unreported(self) -> int:
+        """Release cells whose agent no longer reports them (their end was missed:
+        the connection closed mid-cell and the agent's report was lost)."""
+        scheduler = self.scheduler
+        if scheduler is None or not scheduler.running:
+            return 0
+        by_host: dict[str, list[str]] = {}
+        now = scheduler.now()
+        for task_id, cell in scheduler.running.items():
+            if now - cell.started_at > UNREPORTED_GRACE_S:
+                by_host.setdefault(cell.binding.host_id, []).append(task_id)
+        reaped = 0
+        for host_id, task_ids in by_host.items():
+            url = self._host_urls.get(host_id)
+            report = await self._bindings_on(url) if url else None
+            if report is None or self.scheduler is not scheduler:
+                continue
+            reported = {a.binding.task_id for a in report.bindings}
+            for task_id in task_ids:
+                if task_id not in reported and task_id in scheduler.running:
+                    scheduler.release(task_id)
+                    reaped += 1
+        return reaped
+
+    async def periodic(self) -> None:
+        """The reconciler's tick: the autoscaler at its interval, and the search for
+        cells whose end was missed."""
+        scheduler = self.scheduler
+        if scheduler is None:
+            return
+        now = scheduler.now()
+        if now - self._last_tick >= scheduler.policy.config.autoscaler.interval_s:
+            self._last_tick = now
+            scheduler.tick()
+        export_gauges(scheduler)
+        if now - self._last_report >= self.platform.config.meter_interval_s and self.meter:
+            self._last_report = now
+            self._meter_kernels(scheduler, self.meter)
+            await self.meter.report()
+        if now - self._last_reap >= REAP_EVERY_S:
+            self._last_reap = now
+            await self.reap_unreported()
+
+
+class _Effects:
+    """Decisions carried out: hosts through the provider, placements through the
+    reconciler, cells' ends into the ledger. What cannot be carried out yet is
+    logged, never pretended."""
+
+    def __init__(self, service: FleetService) -> None:
+        self.service = service
+
+    def cell_ended(self, task_id: str) -> None:
+        if self.service.meter is not None:
+            self.service.meter.end(task_id)
+
+    def kernel_closed(self, workspace_id: str) -> None:
+        if self.service.meter is not None:
+            self.service.meter.kernel_closed(workspace_id)
+
+    def scale_out(self, count: int, reason: str) -> None:
+        log.info("scale-out of %d hosts requested (%s); no host provider is configured",
+                 count, reason)
+
+    def scale_in(self, host_ids: tuple[str, ...]) -> None:
+        log.info("scale-in of %s requested; no host provider is configured", host_ids)
+
+    def prewarm(self, host_id: str, count: int) -> None:
+        pass  # agents keep their own warm pools (agent/warmpool.py)
+
+    def placements_changed(self) -> None:
+        self.service.platform.wake()
+
+    def migrate(self, move: Migrated) -> None:
+        log.warning("migration of %s from %s to %s decided; moving kernels is not "
+                    "carried out yet", move.kernel_id, move.from_host, move.to_host)
+
