@@ -14,13 +14,11 @@ from typing import Any
 
 import httpx
 import pytest
-
-from nbfleet.sdk.kernel_socket import CellResult, KernelSocket
-from tests.conftest import fresh_database
 from sqlalchemy import select
 
 from nbfleet.db.credit_tables import CreditHold
-from tests.support.credit_api import CREDIT, grant, new_tenant, query, verified
+from nbfleet.sdk.kernel_socket import CellResult, KernelSocket
+from tests.conftest import fresh_database
 from tests.support.cluster import (
     Cluster,
     run_cell,
@@ -29,6 +27,7 @@ from tests.support.cluster import (
     wait_state,
     wait_until,
 )
+from tests.support.credit_api import CREDIT, grant, new_tenant, query, verified
 
 pytestmark = pytest.mark.timeout(300)
 

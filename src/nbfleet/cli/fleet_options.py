@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from typing import Any
 
 import typer
@@ -29,10 +30,21 @@ METER_INTERVAL_OPT = typer.Option(
     15.0, "--meter-interval", min=0.1, max=3600,
     help="Seconds between usage reports of running GPU cells and standby replicas "
          "(each renews its credit hold's lease)")
+AUTOSCALE_INTERVAL_OPT = typer.Option(
+    60.0, "--autoscale-interval", min=0.1, max=86400,
+    help="Seconds between the autoscaler's passes (scale-out for waiting work is at once)")
+SCALE_IN_DELAY_OPT = typer.Option(
+    600.0, "--scale-in-delay", min=0, max=86400,
+    help="Seconds after a scale-out before an idle host may be scaled in")
+HOST_AGENT_ARGS_OPT = typer.Option(
+    "", "--host-agent-args", metavar="ARGS",
+    help="Extra `nbfleet agent` options for the hosts the autoscaler starts on this "
+         "machine, e.g. '--warm-pool 1 --workspace-disk 2GiB'")
 
 
 def fleet_options(policy: str, host_gpus: str, max_hosts: int, replicas: int,
-                  meter_interval: float, console: Console) -> dict[str, Any]:
+                  meter_interval: float, autoscale_interval: float, scale_in_delay: float,
+                  host_agent_args: str, console: Console) -> dict[str, Any]:
     """ControlConfig fields; exits with a message (status 2) if one is invalid."""
     if policy not in POLICIES:
         console.print(f"[red]error:[/red] --policy must be one of {', '.join(POLICIES)}")
@@ -45,5 +57,16 @@ def fleet_options(policy: str, host_gpus: str, max_hosts: int, replicas: int,
     if host_gpus and not groups:
         console.print("[red]error:[/red] --host-gpus declares no GPUs")
         raise typer.Exit(2)
+    try:
+        shlex.split(host_agent_args)
+    except ValueError as exc:
+        console.print(f"[red]error:[/red] --host-agent-args: {exc}")
+        raise typer.Exit(2) from exc
+    if max_hosts and not host_gpus:
+        console.print("[red]error:[/red] --max-hosts needs --host-gpus: what a host it adds "
+                      "declares (e.g. 1xA100-80GB)")
+        raise typer.Exit(2)
     return {"policy": policy, "host_gpus": host_gpus, "max_hosts": max_hosts,
-            "replicas": replicas, "meter_interval_s": meter_interval}
+            "replicas": replicas, "meter_interval_s": meter_interval,
+            "autoscale_interval_s": autoscale_interval, "scale_in_delay_s": scale_in_delay,
+            "host_agent_args": host_agent_args}

@@ -13,11 +13,14 @@ from rich.panel import Panel
 
 from nbfleet.cli import admin, credit, job, sim, users, ws
 from nbfleet.cli.fleet_options import (
+    AUTOSCALE_INTERVAL_OPT,
+    HOST_AGENT_ARGS_OPT,
     HOST_GPUS_OPT,
     MAX_HOSTS_OPT,
     METER_INTERVAL_OPT,
     POLICY_OPT,
     REPLICAS_OPT,
+    SCALE_IN_DELAY_OPT,
     fleet_options,
 )
 from nbfleet.cli.home import DEFAULT_PORT, home_dir, sqlite_url
@@ -240,12 +243,12 @@ def _control(home: Path, db: str | None, blobs: str | None, secret: str,
     from nbfleet.control.platform import ControlConfig
     from nbfleet.control.tenancy import ensure_admin, write_secret
 
+    url = url_of(sock)
     config = ControlConfig(db_url=db or sqlite_url(home), blobs_url=blobs or str(home / "blobs"),
-                           secret=secret, **lifecycle)
+                           secret=secret, control_url=url, home_dir=str(home), **lifecycle)
     secure_sqlite(config.db_url)  # one outside the home, left by an older version
     control_app = create_app(config)
     token = ensure_admin(control_app.state.platform.db, str(home / "admin-token"))
-    url = url_of(sock)
     write_secret(str(home / "url"), url)
 
     def another() -> Serving:
@@ -297,6 +300,9 @@ def up(
     max_hosts: int = MAX_HOSTS_OPT,
     replicas: int = REPLICAS_OPT,
     meter_interval: float = METER_INTERVAL_OPT,
+    autoscale_interval: float = AUTOSCALE_INTERVAL_OPT,
+    scale_in_delay: float = SCALE_IN_DELAY_OPT,
+    host_agent_args: str = HOST_AGENT_ARGS_OPT,
     log_level: str = LOG_OPT,
 ) -> None:
     """Run the whole platform on this machine: control plane + one agent, SQLite, local blobs."""
@@ -318,6 +324,7 @@ def up(
                                 job_result_retention, job_retry_backoff,
                                 job_dispatch_interval),
                  **fleet_options(policy, host_gpus, max_hosts, replicas, meter_interval,
+                                 autoscale_interval, scale_in_delay, host_agent_args,
                                  console)}
     control_sock, agent_sock = _listen(host, port), _listen("127.0.0.1", "0")
     state = home_dir(home)
@@ -371,6 +378,9 @@ def control(
     max_hosts: int = MAX_HOSTS_OPT,
     replicas: int = REPLICAS_OPT,
     meter_interval: float = METER_INTERVAL_OPT,
+    autoscale_interval: float = AUTOSCALE_INTERVAL_OPT,
+    scale_in_delay: float = SCALE_IN_DELAY_OPT,
+    host_agent_args: str = HOST_AGENT_ARGS_OPT,
     log_level: str = LOG_OPT,
 ) -> None:
     """Run the control plane alone (agents join with `nbfleet agent`)."""
@@ -395,6 +405,7 @@ def control(
                                 job_result_retention, job_retry_backoff,
                                 job_dispatch_interval),
                  **fleet_options(policy, host_gpus, max_hosts, replicas, meter_interval,
+                                 autoscale_interval, scale_in_delay, host_agent_args,
                                  console)}
     if workers > 1 and not (db or "").startswith("postgresql"):
         console.print("[red]error:[/red] --workers above 1 needs PostgreSQL (--db "

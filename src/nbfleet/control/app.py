@@ -12,6 +12,7 @@ from nbfleet import __version__
 from nbfleet.control import credit_reaper, culler, housekeeping, job_dispatcher, leases
 from nbfleet.control.data_errors import install_data_error_handler
 from nbfleet.control.fleet import router as fleet_router
+from nbfleet.control.fleet.local import local_provider
 from nbfleet.control.job_intake import JobIntake
 from nbfleet.control.operators import require_operator
 from nbfleet.control.platform import ControlConfig, Platform
@@ -53,6 +54,7 @@ def create_app(config: ControlConfig, run_reconciler: bool = True) -> FastAPI:
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         tasks = []
         if run_reconciler:
+            platform.fleet.use_provider(local_provider(config))
             tasks = [asyncio.create_task(Reconciler(platform).run_forever()),
                      asyncio.create_task(housekeeping.run_forever(platform)),
                      asyncio.create_task(culler.run_forever(platform)),
@@ -69,6 +71,7 @@ def create_app(config: ControlConfig, run_reconciler: bool = True) -> FastAPI:
             for lease in (LEASE, housekeeping.LEASE, culler.LEASE, job_dispatcher.LEASE):
                 await asyncio.to_thread(leases.release, platform.db, lease, platform.instance_id)
             await asyncio.to_thread(job_intake.close)
+            await platform.fleet.aclose()
             await platform.aclose()
 
     app = FastAPI(

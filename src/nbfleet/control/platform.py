@@ -60,6 +60,16 @@ class ControlConfig:
     replicas: int = 0
     #: Seconds between usage reports of running GPU cells and standby replicas.
     meter_interval_s: float = 15.0
+    #: The autoscaler's pass interval, and how long after a scale-out it waits
+    #: before scaling in.
+    autoscale_interval_s: float = 60.0
+    scale_in_delay_s: float = 600.0
+    #: This control plane's own URL and home (where hosts it starts keep their
+    #: state, and what their kernels never see).
+    control_url: str = ""
+    home_dir: str = ""
+    #: Extra options for the agents the local host provider starts.
+    host_agent_args: str = ""
 
     def job_settings(self) -> JobSettings:
         """Raises ``InvalidInput`` for a bad tier or price list."""

@@ -192,7 +192,7 @@ class CellGate:
             cell = CellBinding(task_id=task_id, host_id=binding.host_id,
                                gpu_indices=binding.gpu_indices, gpu_type=binding.gpu_type)
             await self.to_kernel(request.with_binding(cell))
-            await replied.wait()
+            await self._until_ended(replied, scheduler, task_id)
         except asyncio.CancelledError:
             raise  # the connection closed: the agent reports the cell's end
         except Exception:
@@ -222,6 +222,16 @@ class CellGate:
         await self._notice(request, f"{got} on host {binding.host_id}: the kernel moved there "
                            f"in {time.monotonic() - started:.1f} s", first=False)
         return True
+
+    async def _until_ended(self, replied: asyncio.Event, scheduler: LiveScheduler,
+                           task_id: str) -> None:
+        """Until the cell's reply, or until the cell ended without one reaching us
+        (its kernel died, its host was lost: the scheduler released it already)."""
+        while not replied.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(replied.wait(), 1.0)
+            if task_id not in scheduler.running and self.scheduler() is scheduler:
+                return
 
     def _spawn_stop(self, request: ClientRequest, reason: str) -> None:
         """The credit for a cell already let through was refused: stop it, and say why."""

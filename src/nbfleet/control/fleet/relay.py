@@ -39,6 +39,13 @@ class MoveFailed(Exception):
     pass
 
 
+class Stopped:
+    """``locate``'s answer for a workspace that is not meant to run any more."""
+
+
+STOPPED = Stopped()
+
+
 @dataclass(frozen=True, slots=True)
 class Location:
     host_id: str
@@ -55,7 +62,7 @@ class GpuRelay:
     client_receive: Callable[[], Awaitable[Frame | None]]
     upstream: Upstream
     here: Location
-    locate: Callable[[], Awaitable[Location | None]]
+    locate: Callable[[], Awaitable[Location | Stopped | None]]
     connect: Callable[[Location], Awaitable[Upstream]]
     request_move: Callable[[str], Awaitable[bool]]
     changed: Callable[[], Awaitable[None]]
@@ -79,11 +86,12 @@ class GpuRelay:
                 if self.upstream is not current:
                     continue  # a move already swapped in the new host's socket
                 moving = self._moving
-                if moving is None:
-                    return  # the kernel's host closed the socket: so do we
-                await moving.wait()
-                if self.upstream is current:
-                    return  # the move failed, and the old host's socket is closed
+                if moving is not None:
+                    await moving.wait()
+                    if self.upstream is not current:
+                        continue
+                if not await self._follow():
+                    return  # the workspace stopped (suspended, deleted): so do we
         finally:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -111,8 +119,10 @@ class GpuRelay:
             deadline = time.monotonic() + MOVE_TIMEOUT_S
             while True:
                 where = await self.locate()
-                if where is not None and where.host_id == host_id:
+                if isinstance(where, Location) and where.host_id == host_id:
                     break
+                if where is STOPPED:
+                    raise MoveFailed("the workspace was suspended or deleted meanwhile")
                 if time.monotonic() > deadline:
                     raise MoveFailed(f"the kernel did not come up on {host_id} within "
                                      f"{MOVE_TIMEOUT_S:.0f} s")
@@ -128,6 +138,27 @@ class GpuRelay:
         finally:
             self._moving = None
             moving.set()
+
+    async def _follow(self) -> bool:
+        """The kernel's host closed its socket while the client is connected: if
+        the workspace is being moved or placed again (a drain, a lost host), wait
+        for it and reconnect; False when it is not meant to run any more."""
+        deadline = time.monotonic() + MOVE_TIMEOUT_S
+        while time.monotonic() < deadline:
+            where = await self.locate()
+            if where is STOPPED:
+                return False
+            if isinstance(where, Location):
+                try:
+                    upstream = await self.connect(where)
+                except Exception as exc:  # not up yet on that host: look again
+                    log.info("reconnecting to %s: %s", where.host_id, exc)
+                else:
+                    self.upstream, self.here = upstream, where
+                    return True
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.changed(), 0.5)
+        return False
 
     async def _client_to_gate(self) -> None:
         assert self.gate is not None

@@ -26,6 +26,8 @@ from sqlalchemy import select
 from nbfleet.control import hosts
 from nbfleet.control.fleet.cellgate import GateRegistry
 from nbfleet.control.fleet.metering import CellMeter
+from nbfleet.control.fleet.provider import HostProvider
+from nbfleet.control.fleet.scaling import Scaler
 from nbfleet.control.fleet.scheduler import (
     Binding,
     CellFacts,
@@ -85,7 +87,10 @@ class FleetService:
         self.gates = GateRegistry()
         self._host_urls: dict[str, str] = {}
         self._last_tick = self._last_reap = self._last_report = float("-inf")
+        #: No autoscaler pass before this (scheduler clock): see ``take_over``.
+        self._scale_from = float("inf")
         self.meter: CellMeter | None = None
+        self.scaler = Scaler(platform, None)
         self._meters_opened = 0
 
     # ----------------------------------------------------------- the policy
@@ -105,9 +110,20 @@ class FleetService:
         most_hosts = max(1, config.max_hosts, len(fleet))
         replicas = config.replicas or min(base.replicas, most_hosts)
         idle = min(base.idle_replicas, replicas)
-        base = replace(base, replicas=replicas, idle_replicas=idle)
-        return make_policy(config.policy, base, max_hosts=max(1, config.max_hosts, len(fleet)),
-                           host_shape=shape)
+        autoscaler = replace(base.autoscaler, max_hosts=most_hosts,
+                             interval_s=config.autoscale_interval_s,
+                             scale_in_cooldown_s=config.scale_in_delay_s)
+        base = replace(base, replicas=replicas, idle_replicas=idle, autoscaler=autoscaler)
+        return make_policy(config.policy, base, host_shape=shape)
+
+    def use_provider(self, provider: HostProvider | None) -> None:
+        """Hosts on demand: the autoscaler's decisions are carried out through it."""
+        self.scaler = Scaler(self.platform, provider)
+
+    async def aclose(self) -> None:
+        await self.scaler.aclose()
+        if self.meter is not None:
+            await self.meter.aclose()
 
     # ------------------------------------------------------------- the lease
     async def take_over(self, token: int) -> None:
@@ -128,6 +144,10 @@ class FleetService:
             log.warning("rebuild refused %d reported cells (unknown or conflicting): %s",
                         len(refused), refused[:10])
         old, self.scheduler, self.token = self.scheduler, scheduler, token
+        # Hosts that are alive but have not announced themselves to this replica yet
+        # (a fresh start, or a lease taken over) would look missing to the autoscaler
+        # and be replaced: its first pass waits one heartbeat-expiry window.
+        self._scale_from = scheduler.now() + self.platform.config.agent_timeout_s
         if old is not None:
             for task in list(old.queue()):
                 old.cancel(task[0].id)
@@ -245,10 +265,12 @@ class FleetService:
             return
         facts = await asyncio.to_thread(self._alive_hosts)
         alive = {host_id for host_id, _, _ in facts}
+        self.scaler.forget_gone(alive)
         for host_id, inventory, url in facts:
             self._host_urls[host_id] = url
-            if host_id not in scheduler.policy.hosts:
+            if host_id not in scheduler.policy.hosts and host_id not in self.scaler.draining:
                 scheduler.host_joined(host_id, inventory)
+        self.scaler.settle_provisioning(scheduler)
         for host_id in [h for h in scheduler.policy.hosts if h not in alive]:
             lost = scheduler.host_lost(host_id)
             if lost:
@@ -307,7 +329,8 @@ class FleetService:
         if scheduler is None:
             return
         now = scheduler.now()
-        if now - self._last_tick >= scheduler.policy.config.autoscaler.interval_s:
+        if (now >= self._scale_from
+                and now - self._last_tick >= scheduler.policy.config.autoscaler.interval_s):
             self._last_tick = now
             scheduler.tick()
         export_gauges(scheduler)
@@ -337,11 +360,10 @@ class _Effects:
             self.service.meter.kernel_closed(workspace_id)
 
     def scale_out(self, count: int, reason: str) -> None:
-        log.info("scale-out of %d hosts requested (%s); no host provider is configured",
-                 count, reason)
+        self.service.scaler.scale_out(count, reason)
 
     def scale_in(self, host_ids: tuple[str, ...]) -> None:
-        log.info("scale-in of %s requested; no host provider is configured", host_ids)
+        self.service.scaler.scale_in(host_ids)
 
     def prewarm(self, host_id: str, count: int) -> None:
         pass  # agents keep their own warm pools (agent/warmpool.py)
@@ -350,6 +372,8 @@ class _Effects:
         self.service.platform.wake()
 
     def migrate(self, move: Migrated) -> None:
-        log.warning("migration of %s from %s to %s decided; moving kernels is not "
-                    "carried out yet", move.kernel_id, move.from_host, move.to_host)
+        # Carried out elsewhere: a move for a task when the cell binds there (the
+        # cell gate moves the kernel), an evacuation by the scaler's drain.
+        log.info("%s moves from %s to %s (%s)", move.kernel_id, move.from_host, move.to_host,
+                 "with its cell" if move.for_task else "emptying the host")
 

@@ -27,11 +27,11 @@ from nbfleet.control.auth import Principal, resolve
 from nbfleet.control.deps import current_principal, platform_of, token_of
 from nbfleet.control.fleet.cellgate import CellGate
 from nbfleet.control.fleet.moves import request_move
-from nbfleet.control.fleet.relay import GpuRelay, Location
+from nbfleet.control.fleet.relay import STOPPED, GpuRelay, Location, Stopped
 from nbfleet.control.platform import Platform
-from nbfleet.db.tables import Agent, Kernel
+from nbfleet.db.tables import Agent, Kernel, Workspace
 from nbfleet.model.errors import Conflict, DomainError, InvalidInput, NotFound
-from nbfleet.model.workspace import WorkspaceState
+from nbfleet.model.workspace import DesiredState, WorkspaceState
 from nbfleet.web.problems import deny_websocket
 
 log = logging.getLogger(__name__)
@@ -250,11 +250,12 @@ async def kernel_channels(websocket: WebSocket, workspace_id: str, kernel_id: st
         await _pump_both_ways(websocket, upstream)
         return
 
-    async def locate() -> Location | None:
+    async def locate() -> Location | Stopped | None:
         try:
             now = await _kernel_placement(platform, principal, workspace_id, kernel_id)
         except DomainError:
-            return None
+            desired = await asyncio.to_thread(_desired_state, platform, workspace_id)
+            return None if desired == DesiredState.RUNNING else STOPPED
         return Location(now.host_id, now.host_url)
 
     async def move(host_id: str) -> bool:
@@ -284,6 +285,12 @@ async def kernel_channels(websocket: WebSocket, workspace_id: str, kernel_id: st
         await gate.close()
         with contextlib.suppress(Exception):
             await websocket.close()
+
+
+def _desired_state(platform: Platform, workspace_id: str) -> str | None:
+    with platform.db.transaction(write=False) as session:
+        ws = session.get(Workspace, workspace_id)
+        return None if ws is None else ws.desired_state
 
 
 def _receiver(client: WebSocket) -> Callable[[], Awaitable[str | bytes | None]]:
