@@ -15,12 +15,8 @@ import httpx
 import psutil
 import pytest
 
-from nbfleet.control.fleet.provider import (
-    HostProvider,
-    HostState,
-    LocalAgentProvider,
-    ProvisionedHost,
-)
+from nbfleet.control.fleet.local_agents import LocalAgentProvider
+from nbfleet.control.fleet.provider import HostProvider, HostState, ProvisionedHost
 from nbfleet.model.errors import DomainError
 from tests.support.cluster import Cluster
 
@@ -200,7 +196,7 @@ async def test_a_host_that_dies_shows_as_gone(
                 "running")
     replacement_pid = pid_of(provider, replacement.agent_id)
     provider.stop_grace_s = 0.0
-    with caplog.at_level(logging.WARNING, "nbfleet.control.fleet.provider"):
+    with caplog.at_level(logging.WARNING, "nbfleet.control.fleet.local_agents"):
         await provider.aclose()
     assert "killing it" in caplog.text
     assert not alive(replacement_pid)

@@ -29,6 +29,7 @@ from nbfleet.agent.jobs import JobRunner, JobSpec
 from nbfleet.agent.service import AgentConfig, AgentService
 from nbfleet.model.errors import Conflict
 from nbfleet.model.jobs import Outcome, Scalar, classify
+from nbfleet.protocol.agent import JobDirective
 from nbfleet.storage.blobs import BlobStore
 
 #: Runs no DB: the PostgreSQL pass of `make test` skips it.
@@ -49,10 +50,10 @@ class FakeReporter:
         self.accept = True
         self.calls = 0
 
-    async def heartbeat(self, attempts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    async def heartbeat(self, attempts: list[dict[str, Any]]) -> list[JobDirective]:
         self.heartbeats.append(attempts)
         directives, self.directives = self.directives, []
-        return directives
+        return [JobDirective.model_validate(d) for d in directives]
 
     async def finish(self, job_id: str, attempt: int, facts: dict[str, Any]) -> bool:
         self.calls += 1

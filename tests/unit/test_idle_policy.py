@@ -6,6 +6,7 @@ import pytest
 
 from nbfleet.control.culler import Candidate, idle_ones
 from nbfleet.policy.idle import KernelActivity, idle_seconds, should_suspend
+from nbfleet.protocol.agent import KernelModel
 
 
 def kernel(state: str = "idle", connections: int = 0, idle_s: float = 7200.0) -> KernelActivity:
@@ -43,8 +44,10 @@ def _candidate(ws: str, kernels: set[str], url: str = "http://h1") -> Candidate:
 
 
 def _model(kid: str, state: str = "idle", idle_s: float = 3600.0,
-           connections: int = 0) -> dict[str, object]:
-    return {"id": kid, "execution_state": state, "idle_s": idle_s, "connections": connections}
+           connections: int = 0) -> KernelModel:
+    return KernelModel(id=kid, name="python3", workspace_id="ws", execution_state=state,
+                       last_activity="2026-01-01T00:00:00.000000Z", idle_s=idle_s,
+                       connections=connections, last_death=None)
 
 
 def test_idle_ones_picks_only_idle_workspaces_and_skips_unreported_kernels() -> None:

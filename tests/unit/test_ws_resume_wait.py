@@ -21,6 +21,7 @@ from nbfleet.control import workspaces
 from nbfleet.control.reconciler import Work, _restore_summary
 from nbfleet.db.tables import Workspace
 from nbfleet.model.workspace import Action, Step, WorkspaceState
+from nbfleet.protocol.agent import RuntimePlaced
 
 WS = "ws_01test"
 OLD_REPORT = {"path": "warm", "restored": ["a"], "recomputed": [], "files_only": False,
@@ -129,9 +130,14 @@ def work(snapshot: dict[str, Any] | None) -> Work:
 NOW = datetime(2026, 11, 25, tzinfo=UTC)
 
 
+def placed(answer: dict[str, Any]) -> RuntimePlaced:
+    """An agent's answer to a placement, as the control plane's client reads it."""
+    return RuntimePlaced.model_validate({"kernels": [], **answer})
+
+
 def test_a_placement_records_its_generation_with_what_it_restored() -> None:
     summary = _restore_summary(work({"kernels": {"k1": {"key": "x"}}}),
-                               {"restore": {"k1": NEW_REPORT}, "packages": {}}, NOW)
+                               placed({"restore": {"k1": NEW_REPORT}, "packages": {}}), NOW)
     assert summary is not None
     assert summary["generation"] == 7 and summary["kernels"] == {"k1": NEW_REPORT}
     assert "unreported" not in summary
@@ -140,10 +146,10 @@ def test_a_placement_records_its_generation_with_what_it_restored() -> None:
 def test_a_placement_whose_report_was_lost_replaces_the_old_summary() -> None:
     """The agent already had the runtime (the first attempt's answer timed out)."""
     summary = _restore_summary(work({"kernels": {"k1": {"key": "x"}}}),
-                               {"restore": {}, "packages": {}}, NOW)
+                               placed({"restore": {}, "packages": {}}), NOW)
     assert summary == {"generation": 7, "at": "2026-11-25T00:00:00Z", "kernels": {},
                        "packages": {}, "unreported": ["k1"]}
 
 
 def test_a_placement_with_nothing_to_restore_records_nothing() -> None:
-    assert _restore_summary(work(None), {"restore": {}}, NOW) is None
+    assert _restore_summary(work(None), placed({"restore": {}}), NOW) is None

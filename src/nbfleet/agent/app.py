@@ -7,19 +7,36 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response, WebSocket
 from prometheus_client import Gauge
-from pydantic import BaseModel, Field
 
 from nbfleet.agent.jobs import JobSpec
 from nbfleet.agent.kernel_process import Client, KernelProcess
 from nbfleet.agent.service import AgentService
 from nbfleet.agent.statesync import SuspendOptions
 from nbfleet.agent.wire import V1_PROTOCOL, WireError, parse_client_frame
-from nbfleet.model.errors import NotFound, Unauthorized
+from nbfleet.model.errors import NotFound, Unauthorized, Unavailable
 from nbfleet.model.limits import Limits
+from nbfleet.protocol.agent import (
+    AddKernel,
+    AgentHealth,
+    EnsureRuntime,
+    JobAttempt,
+    JobStatus,
+    JobStopping,
+    KernelModel,
+    ReleaseRuntime,
+    ResizeWarmPool,
+    RuntimePlaced,
+    RuntimeReleased,
+    RuntimeSuspended,
+    StartJob,
+    StopJob,
+    SuspendRuntime,
+    WarmPoolState,
+)
 from nbfleet.protocol.gpu import AgentBindings
 from nbfleet.storage.files import MAX_FILE_BYTES
 from nbfleet.storage.paths import confine
@@ -33,61 +50,6 @@ log = logging.getLogger(__name__)
 
 KERNELS = Gauge("nbfleet_agent_kernels", "Kernel processes on this host")
 RUNTIMES = Gauge("nbfleet_agent_runtimes", "Workspace runtimes on this host")
-
-
-class KernelRef(BaseModel):
-    id: str
-    name: str = "python3"
-
-
-class LimitsBody(BaseModel):
-    memory_bytes: int | None = Field(None, ge=0)
-    cpus: float | None = Field(None, gt=0, le=1024)
-    pids: int | None = Field(None, ge=0)
-    disk_bytes: int | None = Field(None, ge=0)
-
-
-class EnsureRuntime(BaseModel):
-    generation: int = Field(ge=1)
-    kernels: list[KernelRef] = []
-    #: kernel id -> the blob key of its last complete snapshot.
-    snapshot: dict[str, str] = {}
-    #: The blob key of the workspace's package layer.
-    packages: str | None = None
-    #: The project's own limits; unset fields take the agent's defaults.
-    limits: LimitsBody | None = None
-    #: "egress": kernels reach the public internet; "none": no network.
-    network: Literal["none", "egress"] = "none"
-
-
-class Suspend(BaseModel):
-    generation: int = Field(ge=1)
-    on_busy: Literal["wait", "interrupt"] = "wait"
-    busy_timeout_s: float = Field(30.0, ge=0, le=3600)
-
-
-class AddKernel(KernelRef):
-    generation: int = Field(ge=1)
-
-
-class StartJob(BaseModel):
-    job_id: str
-    attempt: int = Field(ge=1)
-    command: list[str] = Field(min_length=1)
-    args: dict[str, str | int | float | bool] = {}
-    gpu_indices: list[int] = []
-    gpu_type: str = ""
-    timeout_s: int = Field(gt=0)
-    idle_timeout_s: int = Field(gt=0)
-    memory_mb: int = Field(gt=0)
-    kill_grace_s: float = Field(ge=0)
-    blob_prefix: str
-
-
-class StopJob(BaseModel):
-    attempt: int = Field(ge=1)
-    reason: Literal["cancel", "preempt", "stale"]
-    grace_s: float = Field(10.0, ge=0, le=3600)
 
 
 def create_agent_app(service: AgentService) -> FastAPI:
@@ -118,35 +80,40 @@ def create_agent_app(service: AgentService) -> FastAPI:
         return metrics_response()
 
     @api.get("/health")
-    async def health() -> dict[str, Any]:
-        return {"agent_id": service.agent_id, "boot_id": service.boot_id}
+    async def health() -> AgentHealth:
+        return AgentHealth(agent_id=service.agent_id, boot_id=service.boot_id)
 
-    @api.put("/runtimes/{workspace_id}")
-    async def ensure_runtime(workspace_id: str, body: EnsureRuntime) -> dict[str, Any]:
+    # Only the fields set go out: a restore report says what its restore knew (see
+    # RuntimePlaced), and the control plane keeps it as it came.
+    @api.put("/runtimes/{workspace_id}", response_model_exclude_unset=True)
+    async def ensure_runtime(workspace_id: str, body: EnsureRuntime) -> RuntimePlaced:
         placed = await service.manager.ensure(
             workspace_id, body.generation, [(k.id, k.name) for k in body.kernels],
             body.snapshot, body.packages,
             Limits.from_dict(body.limits.model_dump()) if body.limits else None,
             body.network,
         )
-        return {"kernels": [k.model() for k in placed.runtime.kernels.values()],
-                "restore": placed.restore, "packages": placed.packages}
+        return RuntimePlaced.model_validate({
+            "kernels": [k.model() for k in placed.runtime.kernels.values()],
+            "restore": placed.restore, "packages": placed.packages})
 
     @api.post("/runtimes/{workspace_id}/suspend")
-    async def suspend_runtime(workspace_id: str, body: Suspend) -> dict[str, Any]:
+    async def suspend_runtime(workspace_id: str, body: SuspendRuntime) -> RuntimeSuspended:
         saved = await service.manager.suspend(
             workspace_id, body.generation, SuspendOptions(body.on_busy, body.busy_timeout_s)
         )
-        return {"released": saved is not None, "snapshot": saved}
+        return RuntimeSuspended.model_validate({"released": saved is not None,
+                                                "snapshot": saved})
 
     @api.delete("/runtimes/{workspace_id}")
-    async def release_runtime(workspace_id: str, generation: int = Query(ge=1),
-                              sync: bool = True) -> dict[str, Any]:
-        released = await service.manager.release(workspace_id, generation, sync=sync)
-        return {"released": released}
+    async def release_runtime(workspace_id: str,
+                              order: Annotated[ReleaseRuntime, Query()]) -> RuntimeReleased:
+        released = await service.manager.release(workspace_id, order.generation,
+                                                  sync=order.sync)
+        return RuntimeReleased(released=released)
 
     @api.post("/runtimes/{workspace_id}/kernels", status_code=201)
-    async def add_kernel(workspace_id: str, body: AddKernel) -> dict[str, Any]:
+    async def add_kernel(workspace_id: str, body: AddKernel) -> KernelModel:
         kernel = await service.manager.add_kernel(workspace_id, body.generation, body.id, body.name)
         return kernel.model()
 
@@ -163,11 +130,11 @@ def create_agent_app(service: AgentService) -> FastAPI:
         await service.manager.write_file(workspace_id, confine(path), None)
 
     @api.get("/kernels")
-    async def list_kernels() -> list[dict[str, Any]]:
+    async def list_kernels() -> list[KernelModel]:
         return [k.model() for k in service.manager.kernels.values()]
 
     @api.get("/kernels/{kernel_id}")
-    async def get_kernel(kernel_id: str) -> dict[str, Any]:
+    async def get_kernel(kernel_id: str) -> KernelModel:
         return service.manager.get_kernel(kernel_id).model()
 
     @api.delete("/kernels/{kernel_id}", status_code=204)
@@ -179,7 +146,7 @@ def create_agent_app(service: AgentService) -> FastAPI:
         await service.manager.get_kernel(kernel_id).interrupt()
 
     @api.post("/kernels/{kernel_id}/restart")
-    async def restart_kernel(kernel_id: str) -> dict[str, Any]:
+    async def restart_kernel(kernel_id: str) -> KernelModel:
         kernel = service.manager.get_kernel(kernel_id)
         await kernel.restart()
         return kernel.model()
@@ -193,18 +160,33 @@ def create_agent_app(service: AgentService) -> FastAPI:
         return AgentBindings(bindings=[active for kernel in kernels
                                        for active in kernel.bindings.active(kernel.id, now)])
 
+    @api.get("/warm-pool")
+    async def warm_pool() -> WarmPoolState:
+        pool = service.runtimes.pool if service.runtimes is not None else None
+        if pool is None:
+            return WarmPoolState(target=0, ready=0)
+        return WarmPoolState(target=pool.target, ready=len(pool.ready))
+
+    @api.put("/warm-pool")
+    async def resize_warm_pool(body: ResizeWarmPool) -> WarmPoolState:
+        if service.runtimes is None:
+            raise Unavailable("the agent is still starting")
+        pool = service.runtimes.pool
+        return WarmPoolState(target=pool.resize(body.target), ready=len(pool.ready))
+
     @api.post("/jobs")
-    async def start_job(body: StartJob) -> dict[str, Any]:
-        return await service.job_runner.start(JobSpec(**body.model_dump()))
+    async def start_job(body: StartJob) -> JobStatus:
+        return JobStatus.model_validate(
+            await service.job_runner.start(JobSpec(**body.model_dump())))
 
     @api.post("/jobs/{job_id}/stop", status_code=202)
-    async def stop_job(job_id: str, body: StopJob) -> dict[str, Any]:
-        return {"stopping": service.job_runner.stop(job_id, body.attempt, body.reason,
-                                                    body.grace_s)}
+    async def stop_job(job_id: str, body: StopJob) -> JobStopping:
+        return JobStopping(stopping=service.job_runner.stop(job_id, body.attempt, body.reason,
+                                                            body.grace_s))
 
     @api.get("/jobs")
-    async def list_jobs() -> list[dict[str, Any]]:
-        return service.job_runner.attempts()
+    async def list_jobs() -> list[JobAttempt]:
+        return [JobAttempt.model_validate(a) for a in service.job_runner.attempts()]
 
     app.include_router(api)
 

@@ -31,6 +31,7 @@ from nbfleet.agent.sandbox import Sandbox, gpu_devices, unseen
 from nbfleet.agent.sandbox.identity import Identities, Identity, hand_over
 from nbfleet.model.errors import Conflict, InvalidInput
 from nbfleet.model.jobs import argv
+from nbfleet.protocol.agent import JobDirective
 from nbfleet.storage.blobs import BlobStore
 
 __all__ = ["JobRunner", "JobSpec", "Reporter"]
@@ -51,7 +52,7 @@ class Reporter(Protocol):
     failure (the runner retries); ``finish`` answers False when the control plane
     no longer wants the attempt (stale), which drops the report."""
 
-    async def heartbeat(self, attempts: list[dict[str, Any]]) -> list[dict[str, Any]]: ...
+    async def heartbeat(self, attempts: list[dict[str, Any]]) -> list[JobDirective]: ...
 
     async def finish(self, job_id: str, attempt: int, facts: dict[str, Any]) -> bool: ...
 
@@ -299,12 +300,12 @@ class JobRunner:
             log.warning("job heartbeat failed: %s", exc)
             return
         for directive in directives:
-            if directive.get("action") != "stop":
+            if directive.action != "stop":
                 continue
             try:
-                self.stop(directive["job_id"], int(directive["attempt"]), directive["reason"],
-                          float(directive.get("grace_s", 0.0)))
-            except (KeyError, TypeError, ValueError, InvalidInput) as exc:
+                self.stop(directive.job_id, directive.attempt, directive.reason or "",
+                          directive.grace_s)
+            except InvalidInput as exc:
                 log.warning("ignoring a bad job directive %r: %s", directive, exc)
 
     async def _upload_log(self, att: Attempt) -> bool:

@@ -29,6 +29,7 @@ from nbfleet.agent.sandbox import Sandbox
 from nbfleet.agent.sandbox.cgroups import Cgroup
 from nbfleet.agent.sandbox.identity import Identity, hand_over
 from nbfleet.agent.wire import ClientMessage, KernelMessage, WireCodec, WireError
+from nbfleet.protocol.agent import KernelModel
 
 log = logging.getLogger(__name__)
 
@@ -466,15 +467,15 @@ class KernelProcess:
     def _touch(self) -> None:
         self.last_activity = datetime.now(UTC)
 
-    def model(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "name": self.name,
-            "workspace_id": self.workspace_id,
-            "last_activity": jupyter_time(self.last_activity),
+    def model(self) -> KernelModel:
+        return KernelModel(
+            id=self.id,
+            name=self.name,
+            workspace_id=self.workspace_id,
+            last_activity=jupyter_time(self.last_activity),
             # On this host's clock, so the control plane need not trust ours to match.
-            "idle_s": (datetime.now(UTC) - self.last_activity).total_seconds(),
-            "execution_state": self.execution_state,
-            "connections": len(self.clients),
-            "last_death": self.last_death,
-        }
+            idle_s=(datetime.now(UTC) - self.last_activity).total_seconds(),
+            execution_state=self.execution_state,
+            connections=len(self.clients),
+            last_death=self.last_death,
+        )

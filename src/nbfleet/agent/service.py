@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 from jupyter_client.kernelspec import KernelSpecManager
+from pydantic import ValidationError
 
 from nbfleet.agent.bindings import ReleaseQueue
 from nbfleet.agent.jobs import JobRunner
@@ -22,6 +23,17 @@ from nbfleet.agent.runtimes import RuntimeManager
 from nbfleet.agent.sandbox import open_isolation
 from nbfleet.model.limits import Limits
 from nbfleet.model.resources import HostInventory, parse_gpu_spec
+from nbfleet.protocol.agent import (
+    AttemptBeat,
+    AttemptFinish,
+    Heartbeat,
+    JobDirective,
+    JobDirectives,
+    JobHeartbeats,
+    KernelDeath,
+    Registered,
+    Registration,
+)
 from nbfleet.protocol.gpu import ReleasedCells
 from nbfleet.storage.blobs import BlobStore
 from nbfleet.storage.files import WorkspaceFiles
@@ -84,18 +96,21 @@ class ControlReporter:
 
     def __init__(self, http: httpx.AsyncClient, agent_id: str, boot_id: str) -> None:
         self._http = http
-        self._who = {"agent_id": agent_id, "boot_id": boot_id}
+        self._agent_id, self._boot_id = agent_id, boot_id
 
-    async def heartbeat(self, attempts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    async def heartbeat(self, attempts: list[dict[str, Any]]) -> list[JobDirective]:
+        body = JobHeartbeats(agent_id=self._agent_id, boot_id=self._boot_id,
+                             attempts=[AttemptBeat.model_validate(a) for a in attempts])
         response = await self._http.post("/internal/jobs/heartbeats",
-                                         json={**self._who, "attempts": attempts})
+                                         json=body.model_dump(mode="json"))
         response.raise_for_status()
-        directives: list[dict[str, Any]] = response.json().get("directives", [])
-        return directives
+        return JobDirectives.model_validate(response.json()).directives
 
     async def finish(self, job_id: str, attempt: int, facts: dict[str, Any]) -> bool:
+        body = AttemptFinish.model_validate(
+            {"agent_id": self._agent_id, "boot_id": self._boot_id, **facts})
         response = await self._http.post(f"/internal/jobs/{job_id}/attempts/{attempt}/finish",
-                                         json={**self._who, **facts})
+                                         json=body.model_dump(mode="json"))
         if response.status_code in (404, 409):
             return False  # the control plane has moved on from this attempt
         response.raise_for_status()
@@ -103,9 +118,9 @@ class ControlReporter:
 
     async def released(self, task_ids: list[str]) -> None:
         """Tell the control plane these cells' GPU bindings ended; raises to be retried."""
-        body = ReleasedCells(agent_id=self._who["agent_id"], task_ids=task_ids)
-        response = await self._http.post(f"/internal/agents/{self._who['agent_id']}/released",
-                                         json=body.model_dump())
+        body = ReleasedCells(agent_id=self._agent_id, task_ids=task_ids)
+        response = await self._http.post(f"/internal/agents/{self._agent_id}/released",
+                                         json=body.model_dump(mode="json"))
         if response.status_code == 404:
             return  # it knows nothing of them (or of us): nothing to do
         if response.status_code in (400, 413, 422):
@@ -158,12 +173,12 @@ class AgentService:
             raise RuntimeError("agent is not registered yet")
         return self.jobs
 
-    def registration(self) -> dict[str, Any]:
-        return {
-            "id": self.agent_id,
-            "url": self.config.advertise_url,
-            "boot_id": self.boot_id,
-            "inventory": {
+    def registration(self) -> Registration:
+        return Registration(
+            id=self.agent_id,
+            url=self.config.advertise_url,
+            boot_id=self.boot_id,
+            inventory={
                 "sandbox": "bwrap" if self.sandbox is not None else "none",
                 "isolation": self.isolation.report_json(),
                 "millicpus": self.inventory.millicpus,
@@ -174,14 +189,15 @@ class AgentService:
                 ],
                 "kernelspecs": kernelspecs(),
             },
-        }
+        )
 
     async def register(self, attempts: int = 60) -> None:
         for attempt in range(attempts):
             try:
-                response = await self._http.post("/internal/agents", json=self.registration())
+                response = await self._http.post(
+                    "/internal/agents", json=self.registration().model_dump(mode="json"))
                 response.raise_for_status()
-                body = response.json()
+                registered = Registered.model_validate(response.json())
                 break
             except httpx.HTTPError as exc:
                 if attempt == attempts - 1:
@@ -189,7 +205,7 @@ class AgentService:
                 log.info("control plane not reachable yet (%s); retrying", exc)
                 await asyncio.sleep(0.5)
         if self.runtimes is None:
-            files = WorkspaceFiles(BlobStore(body["blobs_url"]))
+            files = WorkspaceFiles(BlobStore(registered.blobs_url))
             # Whatever a previous boot left here belonged to kernels that are gone.
             shutil.rmtree(self.sockets_dir, ignore_errors=True)
             runtimes_dir = os.path.join(self.state_dir, "runtimes")
@@ -206,7 +222,7 @@ class AgentService:
         if self.jobs is None:
             # Opening the runner kills the jobs a previous boot of this host left.
             self.jobs = JobRunner(
-                self.state_dir, BlobStore(body["blobs_url"]),
+                self.state_dir, BlobStore(registered.blobs_url),
                 self.reporter,
                 heartbeat_s=self.config.job_heartbeat_s, sandbox=self.sandbox,
                 identities=self.isolation.identities,
@@ -219,15 +235,17 @@ class AgentService:
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
             deaths = self.runtimes.deaths[:] if self.runtimes is not None else []
             try:
+                body = Heartbeat(boot_id=self.boot_id,
+                                 kernel_deaths=[KernelDeath.model_validate(d) for d in deaths])
                 response = await self._http.post(
                     f"/internal/agents/{self.agent_id}/heartbeat",
-                    json={"boot_id": self.boot_id, "kernel_deaths": deaths},
+                    json=body.model_dump(mode="json"),
                 )
                 if response.status_code in (404, 409):
                     await self.register()  # the control plane lost or replaced our record
                 elif response.is_success and self.runtimes is not None:
                     del self.runtimes.deaths[:len(deaths)]
-            except httpx.HTTPError as exc:
+            except (httpx.HTTPError, ValidationError) as exc:
                 log.warning("heartbeat failed: %s", exc)
 
     @contextlib.asynccontextmanager

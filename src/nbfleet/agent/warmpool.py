@@ -45,7 +45,7 @@ class Warm:
 class WarmPool:
     def __init__(self, target: int, new_slot: Callable[[str], Slot], sandbox: Sandbox | None,
                  refill_delay_s: float = 1.0) -> None:
-        self.target = target
+        self.target = self.configured = target
         self.new_slot = new_slot
         self.sandbox = sandbox
         self.refill_delay_s = refill_delay_s
@@ -62,6 +62,15 @@ class WarmPool:
         if self.target > 0 and self._task is None:
             self._task = asyncio.create_task(self._refill_forever())
             self._wake.set()
+
+    def resize(self, wanted: int) -> int:
+        """The scheduler's prewarm: hold at least ``wanted`` kernels (never fewer
+        than the agent was started with); returns the new target."""
+        self.target = max(self.configured, wanted)
+        POOL_TARGET.set(self.target)
+        self.start()
+        self._wake.set()
+        return self.target
 
     def claim(self, kernel_name: str) -> Warm | None:
         """A ready kernel for ``kernel_name``, or None (a miss: start one cold)."""

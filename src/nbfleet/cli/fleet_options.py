@@ -8,6 +8,7 @@ from typing import Any
 import typer
 from rich.console import Console
 
+from nbfleet.control.fleet.sizing import FleetSettings
 from nbfleet.model.errors import DomainError
 from nbfleet.model.resources import parse_gpu_spec
 from nbfleet.policy.scheduling.registry import POLICIES
@@ -66,7 +67,8 @@ def fleet_options(policy: str, host_gpus: str, max_hosts: int, replicas: int,
         console.print("[red]error:[/red] --max-hosts needs --host-gpus: what a host it adds "
                       "declares (e.g. 1xA100-80GB)")
         raise typer.Exit(2)
-    return {"policy": policy, "host_gpus": host_gpus, "max_hosts": max_hosts,
-            "replicas": replicas, "meter_interval_s": meter_interval,
-            "autoscale_interval_s": autoscale_interval, "scale_in_delay_s": scale_in_delay,
+    fleet = FleetSettings(policy=policy, host_gpus=host_gpus, max_hosts=max_hosts,
+                          replicas=replicas, autoscale_interval_s=autoscale_interval,
+                          scale_in_delay_s=scale_in_delay)
+    return {"fleet": fleet, "meter_interval_s": meter_interval,
             "host_agent_args": host_agent_args}

@@ -12,7 +12,7 @@ from nbfleet import __version__
 from nbfleet.control import credit_reaper, culler, housekeeping, job_dispatcher, leases
 from nbfleet.control.data_errors import install_data_error_handler
 from nbfleet.control.fleet import router as fleet_router
-from nbfleet.control.fleet.local import local_provider
+from nbfleet.control.fleet.local_agents import local_provider
 from nbfleet.control.job_intake import JobIntake
 from nbfleet.control.operators import require_operator
 from nbfleet.control.platform import ControlConfig, Platform

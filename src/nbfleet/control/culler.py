@@ -14,7 +14,6 @@ import logging
 from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
 
 from prometheus_client import Counter
 from sqlalchemy import select
@@ -26,6 +25,7 @@ from nbfleet.db.tables import Agent, Kernel, Project, Workspace
 from nbfleet.model.errors import DomainError
 from nbfleet.model.workspace import DesiredState, WorkspaceState
 from nbfleet.policy.idle import KernelActivity, should_suspend
+from nbfleet.protocol.agent import KernelModel
 
 log = logging.getLogger(__name__)
 
@@ -77,13 +77,13 @@ def _age(now: datetime, then: datetime) -> float:
     return max(0.0, (now - then).total_seconds())
 
 
-def idle_ones(found: list[Candidate], models: dict[str, list[dict[str, Any]]]) -> list[Candidate]:
+def idle_ones(found: list[Candidate], models: dict[str, list[KernelModel]]) -> list[Candidate]:
     """The candidates to suspend, given each host's kernel models."""
     chosen = []
     for candidate in found:
         activity = [
-            KernelActivity(m["execution_state"], int(m["connections"]), float(m["idle_s"]))
-            for m in models.get(candidate.host_url, []) if m["id"] in candidate.kernel_ids
+            KernelActivity(m.execution_state, m.connections, m.idle_s)
+            for m in models.get(candidate.host_url, []) if m.id in candidate.kernel_ids
         ]
         if len(activity) < len(candidate.kernel_ids):
             continue  # a kernel the host does not report: let the reconciler sort it out

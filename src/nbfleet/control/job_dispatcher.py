@@ -196,7 +196,7 @@ class JobDispatcher:
             await asyncio.to_thread(self._end, order.job_id, order.attempt,
                                     Outcome.LAUNCH_FAILED, f"agent {order.host.id}: {exc.detail}")
             return
-        if reply.get("state") == "running":
+        if reply.state == "running":
             await asyncio.to_thread(self._started, order)
 
     async def _stop(self, order: StopOrder) -> None:

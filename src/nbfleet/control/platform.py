@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from nbfleet.control.agent_client import AgentClient
 from nbfleet.control.fleet.service import FleetService
+from nbfleet.control.fleet.sizing import FleetSettings
 from nbfleet.db.engine import Database
 from nbfleet.jobs.settings import JobSettings
 from nbfleet.model.jobs import RetryRules, parse_tiers
@@ -47,23 +48,11 @@ class ControlConfig:
     job_backoff_base_s: float = 2.0
     #: Seconds between dispatch passes when nothing wakes the dispatcher sooner.
     job_dispatch_interval_s: float = 1.0
-    #: The GPU scheduling policy that places GPU workspaces and binds GPUs to their
-    #: cells (``policy/scheduling/registry.py``); the simulator runs the same ones.
-    policy: str = "nbfleet"
-    #: What one autoscaled host declares, as an agent's ``--gpus`` (e.g.
-    #: ``1xA100-80GB``); empty: the fleet is only the hosts that register.
-    host_gpus: str = ""
-    #: Hosts the autoscaler may run at most (0: it adds none).
-    max_hosts: int = 0
-    #: Replicas per GPU kernel (0: the policy's own, at most the hosts the fleet
-    #: may have).
-    replicas: int = 0
+    #: The GPU scheduling policy and the fleet it may grow to (``--policy``,
+    #: ``--host-gpus``, ``--max-hosts``, ``--replicas``, the autoscaler's timing).
+    fleet: FleetSettings = field(default_factory=FleetSettings)
     #: Seconds between usage reports of running GPU cells and standby replicas.
     meter_interval_s: float = 15.0
-    #: The autoscaler's pass interval, and how long after a scale-out it waits
-    #: before scaling in.
-    autoscale_interval_s: float = 60.0
-    scale_in_delay_s: float = 600.0
     #: This control plane's own URL and home (where hosts it starts keep their
     #: state, and what their kernels never see).
     control_url: str = ""

@@ -38,6 +38,7 @@ from nbfleet.model.workspace import (
     retry_delay_s,
 )
 from nbfleet.policy.placement import least_loaded
+from nbfleet.protocol.agent import RuntimePlaced, RuntimeSuspended
 from nbfleet.web.render import iso
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,9 @@ class NeedsGpuPlacement:
 
     workspace_id: str
     spec: ResourceSpec
+    #: Whose cells these are in the fair queue: the project, and its weight.
+    tenant: str
+    weight: float
 
 
 class Reconciler:
@@ -161,7 +165,8 @@ class Reconciler:
         for _ in range(MAX_STEPS):
             work = await asyncio.to_thread(self._begin, workspace_id)
             if isinstance(work, NeedsGpuPlacement):
-                placement = self.platform.fleet.place(work.workspace_id, work.spec)
+                placement = self.platform.fleet.place(work.workspace_id, work.spec, work.tenant,
+                                                      work.weight)
                 work = await asyncio.to_thread(self._begin, workspace_id, placement)
             if not isinstance(work, Work):
                 return
@@ -206,7 +211,9 @@ class Reconciler:
             spec = resources_of(ws)
             if step.action is Action.PLACE and host is None and spec.gpus:
                 if gpu is None:
-                    return NeedsGpuPlacement(ws.id, spec)
+                    project = session.get(Project, ws.project_id)
+                    return NeedsGpuPlacement(ws.id, spec, ws.project_id,
+                                             project.job_weight if project else 1.0)
                 host = self._gpu_host(session, ws, gpu, now)
                 if host is None:
                     return None
@@ -266,7 +273,7 @@ class Reconciler:
         ws.host_id, ws.host_boot_id = host.id, host.boot_id
         return host
 
-    def _finish(self, work: Work, result: Any) -> bool:
+    def _finish(self, work: Work, result: RuntimePlaced | RuntimeSuspended | None) -> bool:
         """Settle the step; True if the workspace still has work to do."""
         with self.db.transaction() as session:
             self._check_lease(session)
@@ -275,7 +282,7 @@ class Reconciler:
             if ws is None or ws.state != work.expect_state:
                 return False
             transition(session, ws, work.step.done, now, f"{work.step.action} done")
-            if isinstance(result, dict):
+            if result is not None:
                 _record(ws, work, result, now)
             if work.step.action is not Action.PLACE:
                 ws.host_id = ws.host_boot_id = None
@@ -314,17 +321,16 @@ class Reconciler:
                 transition(session, ws, WorkspaceState.FAILED, now, ws.last_error)
 
     # --------------------------------------------------------------- actions
-    async def _act(self, work: Work) -> Any:
+    async def _act(self, work: Work) -> RuntimePlaced | RuntimeSuspended | None:
         agents = self.platform.agents
         config = self.platform.config
         if work.step.action is Action.PLACE:
             assert work.host_url is not None
             return await agents.ensure_runtime(
-                work.host_url, work.workspace_id, work.generation,
-                [{"id": kid, "name": name} for kid, name in work.kernels], work.snapshot,
-                work.limits, work.network,
+                work.host_url, work.workspace_id, work.generation, list(work.kernels),
+                work.snapshot, work.limits, work.network,
             )
-        result: Any = None
+        result: RuntimeSuspended | None = None
         if work.host_url is not None:
             try:
                 if work.step.action is Action.RELEASE:
@@ -341,7 +347,8 @@ class Reconciler:
         return result
 
 
-def _restore_summary(work: Work, result: dict[str, Any], now: datetime) -> dict[str, Any] | None:
+def _restore_summary(work: Work, result: RuntimePlaced,
+                     now: datetime) -> dict[str, Any] | None:
     """What this placement (of ``work.generation``) restored, replacing any earlier one:
     a summary is never shown for a resume it does not belong to.
 
@@ -349,29 +356,34 @@ def _restore_summary(work: Work, result: dict[str, Any], now: datetime) -> dict[
     was lost: the control plane timed out) reports nothing for it; such kernels are
     listed as ``unreported`` rather than passed off as restored or lost.
     """
-    reports = result.get("restore") or {}
+    # Kept as the agent sent them: only the fields its restore set.
+    reports = {kid: report.model_dump(mode="json", exclude_unset=True)
+               for kid, report in result.restore.items()}
     saved = sorted((work.snapshot or {}).get("kernels") or {})
     if not reports and not saved:
         return None
-    summary = {"generation": work.generation, "at": iso(now), "kernels": reports,
-               "packages": result.get("packages") or {}}
+    summary: dict[str, Any] = {
+        "generation": work.generation, "at": iso(now), "kernels": reports,
+        "packages": result.packages.model_dump(mode="json", exclude_unset=True)}
     unreported = [kernel_id for kernel_id in saved if kernel_id not in reports]
     if unreported:
         summary["unreported"] = unreported
     return summary
 
 
-def _record(ws: Workspace, work: Work, result: dict[str, Any], now: datetime) -> None:
+def _record(ws: Workspace, work: Work, result: RuntimePlaced | RuntimeSuspended,
+            now: datetime) -> None:
     """Keep what an agent reported: the snapshot a suspend saved, what a resume restored."""
     kernel_ids = {kid for kid, _ in work.kernels}
-    if work.step.action is Action.PLACE:
+    if work.step.action is Action.PLACE and isinstance(result, RuntimePlaced):
         ws.restore = _restore_summary(work, result, now)
-    saved = result.get("snapshot")
-    if work.step.action is Action.RELEASE and isinstance(saved, dict):
+    saved = result.snapshot if isinstance(result, RuntimeSuspended) else None
+    if work.step.action is Action.RELEASE and saved is not None:
         previous = (ws.snapshot or {}).get("kernels", {})
         # A kernel that could not flush keeps its last complete snapshot.
-        kernels = {kid: key for kid, key in {**previous, **saved["kernels"]}.items()
+        uploaded = {kid: k.model_dump(mode="json") for kid, k in saved.kernels.items()}
+        kernels = {kid: key for kid, key in {**previous, **uploaded}.items()
                    if kid in kernel_ids}
-        ws.snapshot = {"at": iso(now), "kernels": kernels, "packages": saved.get("packages"),
+        ws.snapshot = {"at": iso(now), "kernels": kernels, "packages": saved.packages,
                        "bytes": sum(int(k.get("bytes", 0)) for k in kernels.values()),
-                       "notes": saved.get("notes", [])}
+                       "notes": saved.notes}

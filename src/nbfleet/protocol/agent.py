@@ -124,9 +124,10 @@ class RestoreReport(BaseModel):
 
 
 class LayerRestore(BaseModel):
-    """Whether the workspace's package layer came back."""
+    """Whether the workspace's package layer came back. Empty (``{}`` on the wire,
+    ``restored`` False) when the runtime already existed: nothing was restored."""
 
-    restored: bool
+    restored: bool = False
     error: str | None = None
 
 
@@ -135,12 +136,17 @@ class RuntimePlaced(BaseModel):
 
     ``restore`` and ``packages`` are empty when the runtime already existed (an
     earlier attempt placed it): there was nothing to restore this time.
+
+    The agent answers with the fields it set only (``exclude_unset``): a restore
+    report carries ``bytes`` only when a snapshot was downloaded, ``imports`` only
+    when the kernel reported them, and the control plane keeps the reports as
+    they came (``model_dump(exclude_unset=True)``).
     """
 
     kernels: list[KernelModel]
     #: kernel id -> what its restore brought back.
     restore: dict[str, RestoreReport] = {}
-    packages: LayerRestore | None = None
+    packages: LayerRestore = Field(default_factory=LayerRestore)
 
 
 class SavedKernel(BaseModel):
@@ -181,6 +187,20 @@ class RuntimeReleased(BaseModel):
 class AgentHealth(BaseModel):
     agent_id: str
     boot_id: str
+
+
+class ResizeWarmPool(BaseModel):
+    """``PUT /agent/v1/warm-pool``: the scheduler's prewarm: keep at least
+    ``target`` warm kernels (never fewer than the agent's own ``--warm-pool``)."""
+
+    target: int = Field(ge=0, le=256)
+
+
+class WarmPoolState(BaseModel):
+    """The answer to :class:`ResizeWarmPool` and to ``GET /agent/v1/warm-pool``."""
+
+    target: int = Field(ge=0)
+    ready: int = Field(ge=0)
 
 
 # ------------------------------------------------------------------- jobs
@@ -323,3 +343,12 @@ class AttemptFinish(AttemptFacts):
 
     agent_id: str
     boot_id: str
+
+
+class AttemptFinished(BaseModel):
+    """The control plane's answer to :class:`AttemptFinish`: the job's state after it
+    (404 or 409 instead when the attempt is unknown or stale)."""
+
+    job_id: str
+    attempt: int
+    state: str

@@ -192,6 +192,7 @@ class CellGate:
             cell = CellBinding(task_id=task_id, host_id=binding.host_id,
                                gpu_indices=binding.gpu_indices, gpu_type=binding.gpu_type)
             await self.to_kernel(request.with_binding(cell))
+            scheduler.delivered(task_id)
             await self._until_ended(replied, scheduler, task_id)
         except asyncio.CancelledError:
             raise  # the connection closed: the agent reports the cell's end

@@ -103,14 +103,18 @@ class _Waiter:
 
 @dataclass(frozen=True, slots=True)
 class LoggedDecision:
+    seq: int
     at: float
     decision: Decision
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RunningCell:
     binding: Binding
     started_at: float
+    #: When the cell reached its kernel (None while its kernel moves, or its credit
+    #: is being reserved): only from then on must the agent report it.
+    delivered_at: float | None = None
 
 
 @dataclass(slots=True)
@@ -121,6 +125,9 @@ class KernelFacts:
     spec: ResourceSpec
     host_ids: tuple[str, ...]
     reserved: tuple[int, ...] = ()
+    #: Whose it is in the fair queue (its project) and that tenant's weight.
+    tenant: str = ""
+    weight: float = 1.0
 
 
 @dataclass(slots=True)
@@ -146,6 +153,8 @@ class LiveScheduler:
         self._waiters: dict[str, _Waiter] = {}
         self.running: dict[str, RunningCell] = {}
         self.log: deque[LoggedDecision] = deque(maxlen=DECISION_LOG)
+        #: Decisions logged since this scheduler started (the next one's ``seq``).
+        self.logged = 0
 
     def now(self) -> float:
         return self.clock() - self._epoch
@@ -166,12 +175,17 @@ class LiveScheduler:
         return lost
 
     # ---------------------------------------------------------------- kernels
-    def open_kernel(self, workspace_id: str, spec: ResourceSpec) -> tuple[str, ...] | None:
+    def open_kernel(self, workspace_id: str, spec: ResourceSpec, tenant: str = "",
+                    weight: float = 1.0) -> tuple[str, ...] | None:
         """Place the workspace's kernel (idempotent): its hosts, or None while it
-        waits for capacity. Raises CellRefused if it can never be placed."""
+        waits for capacity. Raises CellRefused if it can never be placed. Its cells
+        wait in the fair queue as ``tenant`` (its project), of fair-share ``weight``."""
+        if tenant:
+            self.policy.fair.weights[tenant] = weight
         kernel = self.policy.kernels.get(workspace_id)
         if kernel is None:
-            decisions = self.policy.open_session(KernelRequest(workspace_id, spec), self.now())
+            decisions = self.policy.open_session(KernelRequest(workspace_id, spec, tenant),
+                                                 self.now())
             self._apply(decisions)
             for decision in decisions:
                 if isinstance(decision, Unschedulable) and decision.task_id == workspace_id:
@@ -218,6 +232,12 @@ class LiveScheduler:
             self.cancel(task_id)
             raise
         return self._bound(started, since)
+
+    def delivered(self, task_id: str) -> None:
+        """The cell's ``execute_request`` was handed to its kernel."""
+        cell = self.running.get(task_id)
+        if cell is not None and cell.delivered_at is None:
+            cell.delivered_at = self.now()
 
     def release(self, task_id: str) -> RunningCell | None:
         """The cell ended; idempotent (the gateway and the agent may both report it)."""
@@ -275,6 +295,10 @@ class LiveScheduler:
         self.running[started.task_id] = RunningCell(binding, self.now())
         return binding
 
+    def prewarmed(self, host_id: str, count: int) -> None:
+        """Warm containers a ``Prewarm`` asked for are ready on the host."""
+        self._apply(self.policy.prewarmed(host_id, count, self.now()))
+
     # ---------------------------------------------------------------- periodic
     def tick(self) -> None:
         self._apply(self.policy.tick(self.now()))
@@ -298,11 +322,15 @@ class LiveScheduler:
         self.running.clear()
         for task_id in list(self._waiters):
             self.cancel(task_id)
+        prewarms: list[Decision] = []
         for host_id, inventory in hosts:
-            policy.add_host(Host.from_inventory(host_id, inventory), self.now())
+            prewarms += [d for d in policy.add_host(Host.from_inventory(host_id, inventory),
+                                                    self.now()) if isinstance(d, Prewarm)]
         for facts in kernels:
-            adopt_kernel(policy, KernelRequest(facts.workspace_id, facts.spec), facts.host_ids,
-                         facts.reserved, self.now())
+            if facts.tenant:
+                policy.fair.weights[facts.tenant] = facts.weight
+            adopt_kernel(policy, KernelRequest(facts.workspace_id, facts.spec, facts.tenant),
+                         facts.host_ids, facts.reserved, self.now())
         refused: list[str] = []
         for cell in cells:
             host = policy.hosts.get(cell.host_id)
@@ -314,6 +342,8 @@ class LiveScheduler:
                 refused.append(cell.task_id)
                 continue
             self._bound(started, self.now())
+            self.delivered(cell.task_id)  # an agent reported it: it is in its kernel
+        self._apply(prewarms)  # the hosts' warm pools, as the policy wants them
         return refused
 
     # ----------------------------------------------------------------- effects
@@ -321,7 +351,8 @@ class LiveScheduler:
         now = self.now()
         placements = False
         for decision in decisions:
-            self.log.append(LoggedDecision(now, decision))
+            self.log.append(LoggedDecision(self.logged, now, decision))
+            self.logged += 1
             if isinstance(decision, Started):
                 waiter = self._waiters.pop(decision.task_id, None)
                 if waiter is not None and not waiter.future.done():

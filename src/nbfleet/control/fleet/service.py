@@ -35,17 +35,16 @@ from nbfleet.control.fleet.scheduler import (
     KernelFacts,
     LiveScheduler,
 )
+from nbfleet.control.fleet.sizing import outgrown, sized_policy
 from nbfleet.control.fleet.view import export_gauges
 from nbfleet.control.workspaces import spec_from_json
-from nbfleet.db.tables import Agent, Kernel, Workspace
+from nbfleet.db.tables import Agent, Kernel, Project, Workspace
 from nbfleet.model.cluster import ResourceSpec
-from nbfleet.model.resources import HostInventory, inventory_from_json, parse_gpu_spec
+from nbfleet.model.errors import DomainError, Unavailable
+from nbfleet.model.resources import HostInventory, inventory_from_json
 from nbfleet.model.workspace import WorkspaceState
 from nbfleet.policy.scheduling.base import FleetPolicy
-from nbfleet.policy.scheduling.config import P3_16XLARGE
 from nbfleet.policy.scheduling.decisions import Migrated
-from nbfleet.policy.scheduling.registry import default_config, make_policy
-from nbfleet.policy.shapes import autoscaled_shape
 from nbfleet.protocol.gpu import AgentBindings
 
 if TYPE_CHECKING:
@@ -57,6 +56,9 @@ log = logging.getLogger(__name__)
 UNREPORTED_GRACE_S = 5.0
 #: How often running cells are checked against their agents' reports.
 REAP_EVERY_S = 10.0
+#: How long a prewarm may take before the scheduler stops waiting for it (the
+#: host then keeps counting those containers as warming, and is not asked again).
+PREWARM_TIMEOUT_S = 300.0
 #: Workspace states whose runtime holds (or is about to hold) its placement.
 PLACED_STATES = (WorkspaceState.RUNNING, WorkspaceState.RESUMING, WorkspaceState.CREATING,
                  WorkspaceState.SUSPENDING)
@@ -92,35 +94,21 @@ class FleetService:
         self.meter: CellMeter | None = None
         self.scaler = Scaler(platform, None)
         self._meters_opened = 0
+        self._prewarms: set[asyncio.Task[None]] = set()
 
     # ----------------------------------------------------------- the policy
-    def new_policy(self, fleet: Sequence[HostInventory]) -> FleetPolicy:
-        """The configured policy, sized for this fleet: what a scale-out adds is
-        ``--host-gpus`` (else the largest registered host), and a kernel has no
-        more replicas than the fleet can ever have hosts."""
-        config = self.platform.config
-        base = default_config(config.policy)
-        shape = P3_16XLARGE
-        if config.host_gpus:
-            shape = autoscaled_shape(parse_gpu_spec(config.host_gpus), fleet)
-        else:
-            gpu_hosts = [inv for inv in fleet if inv.gpu_count]
-            if gpu_hosts:
-                shape = max(gpu_hosts, key=lambda inv: (inv.gpu_count, inv.millicpus))
-        most_hosts = max(1, config.max_hosts, len(fleet))
-        replicas = config.replicas or min(base.replicas, most_hosts)
-        idle = min(base.idle_replicas, replicas)
-        autoscaler = replace(base.autoscaler, max_hosts=most_hosts,
-                             interval_s=config.autoscale_interval_s,
-                             scale_in_cooldown_s=config.scale_in_delay_s)
-        base = replace(base, replicas=replicas, idle_replicas=idle, autoscaler=autoscaler)
-        return make_policy(config.policy, base, host_shape=shape)
+    def new_policy(self, hosts: Sequence[tuple[str, HostInventory]]) -> FleetPolicy:
+        """The configured policy, sized for these hosts (``sizing.py``)."""
+        static = sum(1 for host_id, _ in hosts if not self.scaler.owns(host_id))
+        return sized_policy(self.platform.config.fleet, [inv for _, inv in hosts], static)
 
     def use_provider(self, provider: HostProvider | None) -> None:
         """Hosts on demand: the autoscaler's decisions are carried out through it."""
         self.scaler = Scaler(self.platform, provider)
 
     async def aclose(self) -> None:
+        for task in list(self._prewarms):
+            task.cancel()
         await self.scaler.aclose()
         if self.meter is not None:
             await self.meter.aclose()
@@ -131,11 +119,13 @@ class FleetService:
         facts = await asyncio.to_thread(self._read_facts)
         self._host_urls = {host_id: url for host_id, _, url in facts.hosts}
         cells = await self._reported_cells(facts.hosts)
-        policy = self.new_policy([inv for _, inv, _ in facts.hosts])
+        policy = self.new_policy([(h, inv) for h, inv, _ in facts.hosts])
         if self.meter is not None:
             await self.meter.aclose()
         self.meter = CellMeter(self.platform.db, self.platform.jobs.prices, policy.billing)
         scheduler = LiveScheduler(policy, effects=_Effects(self))
+        if self.scheduler is not None:  # one decision log across rebuilds
+            scheduler.log, scheduler.logged = self.scheduler.log, self.scheduler.logged
         refused = scheduler.rebuild([(h, inv) for h, inv, _ in facts.hosts], facts.kernels, cells)
         for cell in cells:
             if cell.task_id not in refused:
@@ -152,7 +142,8 @@ class FleetService:
             for task in list(old.queue()):
                 old.cancel(task[0].id)
         log.info("fleet scheduler (%s) rebuilt: %d hosts, %d GPU kernels, %d running cells",
-                 self.platform.config.policy, len(facts.hosts), len(facts.kernels), len(cells))
+                 self.platform.config.fleet.policy, len(facts.hosts), len(facts.kernels),
+                 len(cells))
 
     def stand_down(self) -> None:
         """Another replica holds the lease: stop deciding (waiting cells are told)."""
@@ -170,13 +161,15 @@ class FleetService:
                     now, config.agent_timeout_s)).order_by(Agent.id)).scalars()
             fleet = [(a.id, inventory_from_json(a.inventory), a.url) for a in alive]
             kernels: list[KernelFacts] = []
-            for ws in session.execute(
-                    select(Workspace).where(Workspace.state.in_([str(s) for s in PLACED_STATES]),
-                                            Workspace.gpu_placement.is_not(None))).scalars():
+            for ws, weight in session.execute(
+                    select(Workspace, Project.job_weight)
+                    .join(Project, Project.id == Workspace.project_id)
+                    .where(Workspace.state.in_([str(s) for s in PLACED_STATES]),
+                           Workspace.gpu_placement.is_not(None))).tuples():
                 placement = ws.gpu_placement or {}
                 kernels.append(KernelFacts(
                     ws.id, spec_from_json(ws.resources), tuple(placement.get("hosts", ())),
-                    tuple(placement.get("reserved", ()))))
+                    tuple(placement.get("reserved", ())), ws.project_id, weight))
         return _Facts(fleet, kernels)
 
     async def _reported_cells(self, fleet: list[tuple[str, HostInventory, str]]) -> list[CellFacts]:
@@ -236,13 +229,15 @@ class FleetService:
                               gpu_type, billed)
 
     # ---------------------------------------------------------------- events
-    def place(self, workspace_id: str, spec: ResourceSpec) -> GpuPlacement:
-        """Open (or look up) the workspace's kernel in the policy (idempotent)."""
+    def place(self, workspace_id: str, spec: ResourceSpec, tenant: str = "",
+              weight: float = 1.0) -> GpuPlacement:
+        """Open (or look up) the workspace's kernel in the policy (idempotent);
+        ``tenant`` (its project) and ``weight`` place its cells in the fair queue."""
         scheduler = self.scheduler
         if scheduler is None:
             return GpuPlacement(waiting="the GPU scheduler is starting")
         try:
-            placed = scheduler.open_kernel(workspace_id, spec)
+            placed = scheduler.open_kernel(workspace_id, spec, tenant, weight)
         except CellRefused as refused:
             return GpuPlacement(refused=refused.reason)
         if placed is None:
@@ -275,6 +270,24 @@ class FleetService:
             lost = scheduler.host_lost(host_id)
             if lost:
                 log.warning("host %s lost with %d cells running", host_id, len(lost))
+        await self._fit_to_fleet(scheduler, facts)
+
+    async def _fit_to_fleet(self, scheduler: LiveScheduler,
+                            facts: Sequence[tuple[str, HostInventory, str]]) -> None:
+        """More hosts than the policy was sized for (agents that registered after a
+        fresh start): rebuild it from the facts. Otherwise keep the autoscaler's
+        floor at the hosts it cannot stop."""
+        fleet = [inv for _, inv, _ in facts]
+        if self.token is not None and outgrown(scheduler.policy, self.platform.config.fleet,
+                                               fleet):
+            log.info("the fleet outgrew the policy's sizing (%d hosts): rebuilding", len(fleet))
+            await self.take_over(self.token)
+            return
+        wanted = self.new_policy([(h, inv) for h, inv, _ in facts]).config.autoscaler.min_hosts
+        config = scheduler.policy.config
+        if config.autoscaler.min_hosts != wanted:
+            scheduler.policy.config = replace(
+                config, autoscaler=replace(config.autoscaler, min_hosts=wanted))
 
     def _alive_hosts(self) -> list[tuple[str, HostInventory, str]]:
         config = self.platform.config
@@ -284,6 +297,40 @@ class FleetService:
                 select(Agent).where(Agent.last_heartbeat_at >= hosts.alive_since(
                     now, config.agent_timeout_s)).order_by(Agent.id)).scalars()
             return [(a.id, inventory_from_json(a.inventory), a.url) for a in alive]
+
+    def prewarm(self, host_id: str, count: int) -> None:
+        """The policy wants ``count`` more warm containers on the host: grow the
+        agent's warm pool to the policy's figure for it, and tell the policy when
+        they are ready (``prewarmed``), as the simulator does after a start."""
+        scheduler = self.scheduler
+        if scheduler is None:
+            return
+        task = asyncio.get_running_loop().create_task(self._prewarm(scheduler, host_id, count))
+        self._prewarms.add(task)
+        task.add_done_callback(self._prewarms.discard)
+
+    async def _prewarm(self, scheduler: LiveScheduler, host_id: str, count: int) -> None:
+        url = self._host_urls.get(host_id)
+        policy = scheduler.policy
+        target = policy.warm.get(host_id, 0) + policy.warming.get(host_id, 0)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + PREWARM_TIMEOUT_S
+        try:
+            if url is None:
+                raise Unavailable(f"no address known for host {host_id}")
+            state = await self.platform.agents.warm_pool(url, target)
+            while state.ready < target:
+                if loop.time() > deadline:
+                    log.warning("host %s did not warm %d containers within %.0f s",
+                                host_id, target, PREWARM_TIMEOUT_S)
+                    return
+                await asyncio.sleep(0.25)
+                state = await self.platform.agents.warm_pool(url)
+        except DomainError as exc:
+            log.warning("prewarming %d containers on %s failed: %s", count, host_id, exc)
+            return
+        if self.scheduler is scheduler and host_id in scheduler.policy.hosts:
+            scheduler.prewarmed(host_id, count)
 
     def released(self, agent_id: str, task_ids: Sequence[str]) -> int:
         """An agent reports cells that ended; only that host's cells are released."""
@@ -307,7 +354,8 @@ class FleetService:
         by_host: dict[str, list[str]] = {}
         now = scheduler.now()
         for task_id, cell in scheduler.running.items():
-            if now - cell.started_at > UNREPORTED_GRACE_S:
+            # A cell not delivered yet (its kernel is moving) is not the agent's to report.
+            if cell.delivered_at is not None and now - cell.delivered_at > UNREPORTED_GRACE_S:
                 by_host.setdefault(cell.binding.host_id, []).append(task_id)
         reaped = 0
         for host_id, task_ids in by_host.items():
@@ -318,6 +366,8 @@ class FleetService:
             reported = {a.binding.task_id for a in report.bindings}
             for task_id in task_ids:
                 if task_id not in reported and task_id in scheduler.running:
+                    log.warning("cell %s on %s is no longer reported by its agent: its "
+                                "GPUs are released", task_id, host_id)
                     scheduler.release(task_id)
                     reaped += 1
         return reaped
@@ -366,7 +416,7 @@ class _Effects:
         self.service.scaler.scale_in(host_ids)
 
     def prewarm(self, host_id: str, count: int) -> None:
-        pass  # agents keep their own warm pools (agent/warmpool.py)
+        self.service.prewarm(host_id, count)
 
     def placements_changed(self) -> None:
         self.service.platform.wake()

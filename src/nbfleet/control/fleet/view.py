@@ -10,6 +10,7 @@ from prometheus_client import Gauge
 
 from nbfleet.control.fleet.scheduler import LiveScheduler
 from nbfleet.model.cluster import Host
+from nbfleet.policy.scheduling.decisions import decision_record
 
 FLEET_HOSTS = Gauge("nbfleet_fleet_hosts", "Hosts in the GPU scheduler's model",
                     ["state"])
@@ -94,3 +95,20 @@ def export_gauges(scheduler: LiveScheduler | None) -> None:
     FLEET_QUEUED.set(snapshot.queued)
     FLEET_RUNNING.set(len(scheduler.running))
     FLEET_WARM.set(snapshot.warm)
+
+
+def decisions_view(scheduler: LiveScheduler, after: int, limit: int) -> dict[str, Any]:
+    """The policy's decisions logged after ``after`` (a ``seq``), oldest first: why
+    a kernel is where it is, why a cell waited or moved. ``next`` pages on;
+    ``first`` is the oldest still kept (the log is bounded)."""
+    items = []
+    for logged in scheduler.log:
+        if logged.seq <= after:
+            continue
+        items.append({"seq": logged.seq, "at_s": round(logged.at, 6),
+                      **decision_record(logged.decision)})
+        if len(items) >= limit:
+            break
+    first = scheduler.log[0].seq if scheduler.log else scheduler.logged
+    return {"items": items, "first": first,
+            "next": items[-1]["seq"] if items else max(after, first - 1)}

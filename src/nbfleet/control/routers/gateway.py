@@ -32,6 +32,7 @@ from nbfleet.control.platform import Platform
 from nbfleet.db.tables import Agent, Kernel, Workspace
 from nbfleet.model.errors import Conflict, DomainError, InvalidInput, NotFound
 from nbfleet.model.workspace import DesiredState, WorkspaceState
+from nbfleet.protocol.agent import KernelModel
 from nbfleet.web.problems import deny_websocket
 
 log = logging.getLogger(__name__)
@@ -86,8 +87,8 @@ def _any_specs(platform: Platform, principal: Principal, workspace_id: str) -> d
     return {}
 
 
-def _jupyter_model(model: dict[str, Any]) -> dict[str, Any]:
-    return {key: model[key] for key in JUPYTER_FIELDS}
+def _jupyter_model(model: KernelModel) -> dict[str, Any]:
+    return model.model_dump(mode="json", include=set(JUPYTER_FIELDS))
 
 
 def _default_spec(specs: dict[str, Any]) -> str:
@@ -127,7 +128,7 @@ async def list_kernels(workspace_id: str, request: Request,
         return []  # a suspended workspace has no live kernels
     mine = set(where.kernel_ids)
     models = await platform.agents.kernels(where.host_url)
-    return [_jupyter_model(m) for m in models if m["id"] in mine]
+    return [_jupyter_model(m) for m in models if m.id in mine]
 
 
 @router.post("/api/kernels", status_code=201, summary="Start a kernel")

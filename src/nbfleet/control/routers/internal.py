@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import random
-from typing import Any
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, Field
 
 from nbfleet.control import hosts
 from nbfleet.control.deps import platform_of
 from nbfleet.jobs import attempts
 from nbfleet.model.errors import InvalidInput, Unauthorized
+from nbfleet.protocol.agent import (
+    AttemptFinish,
+    AttemptFinished,
+    Heartbeat,
+    JobDirectives,
+    JobHeartbeats,
+    Registered,
+    Registration,
+)
 from nbfleet.protocol.gpu import ReleasedCells
 from nbfleet.web.credentials import is_cluster_secret
 from nbfleet.web.problems import bearer_token
@@ -27,34 +34,14 @@ router = APIRouter(prefix="/internal", tags=["internal"], include_in_schema=Fals
                    dependencies=[Depends(require_cluster_secret)])
 
 
-class Registration(BaseModel):
-    id: str
-    url: str
-    boot_id: str
-    inventory: dict[str, Any]
-
-
-class KernelDeath(BaseModel):
-    workspace_id: str = Field(max_length=100)
-    kernel_id: str = Field(max_length=100)
-    reason: str = Field(max_length=1000)
-
-
-class Heartbeat(BaseModel):
-    boot_id: str
-    #: Kernels that died for a reason the agent knows (a memory limit) since the
-    #: last heartbeat: each becomes its workspace's ``last_error``.
-    kernel_deaths: list[KernelDeath] = Field(default=[], max_length=1000)
-
-
 @router.post("/agents")
-def register_agent(body: Registration, request: Request) -> dict[str, Any]:
+def register_agent(body: Registration, request: Request) -> Registered:
     platform = platform_of(request)
     with platform.db.transaction() as session:
         lost = hosts.register(session, platform.db.now(session), body.model_dump())
     if lost:
         platform.wake()
-    return {"blobs_url": platform.config.blobs_url}
+    return Registered(blobs_url=platform.config.blobs_url)
 
 
 @router.post("/agents/{agent_id}/heartbeat", status_code=204)
@@ -76,23 +63,8 @@ async def cells_released(agent_id: str, body: ReleasedCells, request: Request) -
     platform_of(request).fleet.released(agent_id, body.task_ids)
 
 
-class AttemptBeat(BaseModel):
-    job_id: str
-    attempt: int = Field(ge=1)
-    seq: int = Field(ge=1)
-    gpu_ms: int = Field(ge=0, le=10**15)
-    progress: float | None = None
-    log_chunks: int = Field(0, ge=0)
-
-
-class JobHeartbeats(BaseModel):
-    agent_id: str
-    boot_id: str
-    attempts: list[AttemptBeat] = Field(max_length=10000)
-
-
 @router.post("/jobs/heartbeats")
-def job_heartbeats(body: JobHeartbeats, request: Request) -> dict[str, Any]:
+def job_heartbeats(body: JobHeartbeats, request: Request) -> JobDirectives:
     """An agent's report on its running attempts; answers what each should do."""
     platform = platform_of(request)
     beats = [attempts.Beat(b.job_id, b.attempt, b.seq, b.gpu_ms, b.progress, b.log_chunks)
@@ -100,26 +72,12 @@ def job_heartbeats(body: JobHeartbeats, request: Request) -> dict[str, Any]:
     with platform.db.transaction() as session:
         directives = attempts.heartbeat(session, body.agent_id, body.boot_id, beats,
                                         platform.jobs, platform.db.now(session))
-    return {"directives": [d.as_json() for d in directives]}
-
-
-class AttemptFinish(BaseModel):
-    agent_id: str
-    boot_id: str
-    seq: int = Field(ge=0)
-    gpu_ms: int = Field(ge=0, le=10**15)
-    exit_code: int | None = None
-    signal: int | None = None
-    killed_for: str | None = None
-    launch_error: str | None = None
-    output_tail: str = Field("", max_length=20000)
-    result: list[dict[str, Any]] = Field(default_factory=list, max_length=1000)
-    log_chunks: int = Field(0, ge=0)
+    return JobDirectives.model_validate({"directives": [d.as_json() for d in directives]})
 
 
 @router.post("/jobs/{job_id}/attempts/{attempt}/finish")
 def finish_attempt(job_id: str, attempt: int, body: AttemptFinish,
-                   request: Request) -> dict[str, Any]:
+                   request: Request) -> AttemptFinished:
     """An attempt's process ended. 409 if the attempt is stale (fenced off)."""
     platform = platform_of(request)
     facts = attempts.Facts(seq=body.seq, gpu_ms=body.gpu_ms, exit_code=body.exit_code,
@@ -131,4 +89,4 @@ def finish_attempt(job_id: str, attempt: int, body: AttemptFinish,
                               platform.jobs, platform.db.now(session), random.random())
         state = job.state
     platform.wake_jobs()
-    return {"job_id": job_id, "attempt": attempt, "state": state}
+    return AttemptFinished(job_id=job_id, attempt=attempt, state=state)

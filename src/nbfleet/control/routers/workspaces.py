@@ -38,8 +38,8 @@ def fleet_shapes(request: Request) -> workspaces.FleetShapes:
     shapes: workspaces.FleetShapes | None = getattr(state, "workspace_shapes", None)
     if shapes is None:
         config = platform_of(request).config
-        shapes = state.workspace_shapes = workspaces.FleetShapes(config.host_gpus,
-                                                                 config.max_hosts)
+        shapes = state.workspace_shapes = workspaces.FleetShapes(
+            config.fleet.host_gpus, config.fleet.max_hosts)
     return shapes
 
 

@@ -20,7 +20,8 @@ def adopt_kernel(policy: FleetPolicy, request: KernelRequest, host_ids: Iterable
                  reserved: Iterable[int] = (), now: float = 0.0) -> None:
     """Put back a kernel placed before this model existed (a restarted or new
     control plane), on the hosts it was placed on, without deciding anything."""
-    kernel = KernelState(request.id, request.spec, last_active=now, placed=True)
+    kernel = KernelState(request.id, request.spec, last_active=now, placed=True,
+                         tenant=request.tenant, priority=request.priority)
     for host_id in host_ids:
         host = policy.hosts.get(host_id)
         if host is None:
@@ -37,7 +38,7 @@ def adopt_kernel(policy: FleetPolicy, request: KernelRequest, host_ids: Iterable
 
 
 def adopt_task(policy: FleetPolicy, task: TaskRequest, host_id: str, gpu_indices: Iterable[int],
-               path: StartPath = StartPath.LOCAL) -> Started | None:
+               path: StartPath = StartPath.LOCAL, now: float = 0.0) -> Started | None:
     """Put back a task an agent reports running with these GPUs (rebuild);
     None when its kernel or host is unknown or a GPU is already bound, so a
     report can never bind a GPU twice."""
@@ -55,5 +56,5 @@ def adopt_task(policy: FleetPolicy, task: TaskRequest, host_id: str, gpu_indices
         except DomainError:
             return None
     started = Started(task.id, kernel.id, host_id, indices, path)
-    policy.record_start(task, [started])
+    policy.record_start(task, [started], now)
     return started

@@ -33,6 +33,7 @@ from nbfleet.policy.scheduling.decisions import (
     TaskRequest,
     Unschedulable,
 )
+from nbfleet.policy.scheduling.fair import FairShare
 
 
 @dataclass(slots=True)
@@ -44,6 +45,8 @@ class KernelState:
     last_executor: str | None = None
     last_active: float = 0.0
     running: str | None = None  # the task it executes (Jupyter runs one cell at a time)
+    tenant: str = ""
+    priority: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +93,7 @@ class FleetPolicy:
         self.warming: dict[str, int] = {}
         self._shape = Host.from_inventory("shape", self.config.host_shape)
         self._last_scale_out = -math.inf
+        self.fair = FairShare(self.config.fair_half_life_s)
 
     # ------------------------------------------------------------------ hooks
     def place_kernel(self, kernel: KernelState, now: float) -> list[Decision] | None:
@@ -144,7 +148,8 @@ class FleetPolicy:
             return [Unschedulable(request.id, "no host shape has GPUs that fit "
                                   f"{request.spec.gpus} x {request.spec.gpu_types or 'any'}"
                                   f" with {request.spec.vram_gb} GB")]
-        kernel = KernelState(request.id, request.spec, last_active=now)
+        kernel = KernelState(request.id, request.spec, last_active=now, tenant=request.tenant,
+                             priority=request.priority)
         self.kernels[kernel.id] = kernel
         self.waiting_kernels.append(kernel.id)
         return self._place_waiting(now) + self._scale_for_backlog(now)
@@ -172,9 +177,10 @@ class FleetPolicy:
         if kernel.placed and (not self.strict_fifo or not self.queue):
             started = self.start_task(task, kernel, now)
             if started is not None:
-                self.record_start(task, started)
+                self.record_start(task, started, now)
                 return started
         self.queue.append(task)
+        self.fair.submitted(task.id, now)
         reason = "waiting for its kernel to be placed" if not kernel.placed else "no free GPUs"
         return [Queued(task.id, reason), *self._scale_for_backlog(now)]
 
@@ -188,6 +194,7 @@ class FleetPolicy:
         if host is not None:
             host.release(task_id)
         kernel = self.kernels.get(running.task.kernel_id)
+        self.fair.finished(running.task, kernel.tenant if kernel else "", now)
         if kernel is not None:
             kernel.last_active = now
             kernel.running = None
@@ -198,6 +205,7 @@ class FleetPolicy:
         kept = deque(t for t in self.queue if t.id != task_id)
         cancelled = len(kept) != len(self.queue)
         self.queue = kept
+        self.fair.withdrawn(task_id)
         return cancelled
 
     def lose_host(self, host_id: str, now: float) -> list[Decision]:
@@ -300,13 +308,18 @@ class FleetPolicy:
         self.warming[host.id] += missing
         return [Prewarm(host.id, missing)]
 
-    def record_start(self, task: TaskRequest, decisions: list[Decision]) -> None:
+    def record_start(self, task: TaskRequest, decisions: list[Decision], now: float) -> None:
         started = decisions[0]
         assert isinstance(started, Started)
         self.running[task.id] = RunningTask(task, started.host_id, started.path)
+        self.fair.started(task.id, now)
         kernel = self.kernels[task.kernel_id]
         kernel.last_executor = started.host_id
         kernel.running = task.id
+
+    def _tenant_of(self, kernel_id: str) -> tuple[str, int]:
+        kernel = self.kernels.get(kernel_id)
+        return ("", 0) if kernel is None else (kernel.tenant, kernel.priority)
 
     def _settle(self, now: float) -> list[Decision]:
         """After capacity changed: place waiting kernels, then start queued tasks."""
@@ -325,8 +338,10 @@ class FleetPolicy:
         return out
 
     def _drain(self, now: float) -> list[Decision]:
-        """Start what queued work now fits, oldest first."""
+        """Start what queued work now fits, in the fair queue's order."""
         out: list[Decision] = []
+        self.queue = self.fair.order(self.queue, self._tenant_of,
+                                     (r.task for r in self.running.values()), now)
         kept: deque[TaskRequest] = deque()
         while self.queue:
             task = self.queue.popleft()
@@ -338,7 +353,7 @@ class FleetPolicy:
                     kept.extend(self.queue)
                     self.queue.clear()
                 continue
-            self.record_start(task, started)
+            self.record_start(task, started, now)
             out += started
         self.queue = kept
         return out

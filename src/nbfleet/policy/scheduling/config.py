@@ -60,6 +60,8 @@ class PolicyConfig:
     # nbfleet: after this long without a task a kernel keeps only ``idle_replicas``.
     shrink_idle_s: float = math.inf
     idle_replicas: int = 1
+    #: How fast a tenant's GPU time is forgiven in the fair queue of waiting cells.
+    fair_half_life_s: float = 3600.0
 
     def __post_init__(self) -> None:
         if self.host_shape.gpu_count == 0:

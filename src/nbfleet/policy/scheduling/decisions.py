@@ -18,10 +18,13 @@ from nbfleet.model.cluster import ResourceSpec
 
 @dataclass(frozen=True, slots=True)
 class KernelRequest:
-    """A notebook session's kernel: the resources it asks for while it lives."""
+    """A notebook session's kernel: the resources it asks for while it lives, and
+    whose it is (its cells wait in the fair queue as ``tenant`` in tier ``priority``)."""
 
     id: str
     spec: ResourceSpec
+    tenant: str = ""
+    priority: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,3 +142,18 @@ class Reclaimed:
 
 Decision = (Placed | Started | Queued | Unschedulable | Migrated | ScaleOut | ScaleIn
             | Prewarm | Reclaimed)
+
+
+def decision_record(decision: Decision) -> dict[str, object]:
+    """A decision as JSON-ready fields with its ``kind``: the record the live
+    scheduler serves (``/v1/admin/fleet/decisions``) and the simulator's log is
+    compared with."""
+    record: dict[str, object] = {"kind": type(decision).__name__}
+    for name in decision.__dataclass_fields__:
+        value = getattr(decision, name)
+        if isinstance(value, StartPath):
+            value = value.value
+        elif isinstance(value, tuple):
+            value = list(value)
+        record[name] = value
+    return record
