@@ -20,6 +20,7 @@ from nbfleet.agent.sandbox.cgroups import Cgroup
 from nbfleet.agent.sandbox.command import SECCOMP_FD, _parents_inside
 from nbfleet.agent.sandbox.identity import Identities, Identity
 from nbfleet.agent.sandbox.seccomp import write_filter
+from nbfleet.agent.slots import Slot, new_kernel
 
 HAVE_BWRAP = shutil.which("bwrap") is not None
 
@@ -227,3 +228,22 @@ def test_a_hidden_file_reads_empty_in_the_sandbox() -> None:
         assert result.stdout == ""
     finally:
         shutil.rmtree(top)
+
+
+def test_only_a_gpu_workspaces_kernel_sees_the_hosts_gpu_devices(tmp_path: Path) -> None:
+    """The sandbox binds the GPU device nodes into a slot made for a workspace that
+    asks for GPUs, and into no other (a CPU workspace cannot open a GPU)."""
+    sandbox = Sandbox("/usr/bin/bwrap", (str(tmp_path),))
+    devices = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/nvidia-uvm")
+
+    def argv(slot_devices: tuple[str, ...]) -> list[str]:
+        slot = Slot.create(str(tmp_path / "rt"), str(tmp_path / "s"), f"s{len(slot_devices)}",
+                           devices=slot_devices)
+        kernel = new_kernel(slot, "k1", "ws", "python3", sandbox)
+        return kernel.manager.format_kernel_cmd()
+
+    gpu = argv(devices)
+    for device in devices:
+        at = gpu.index(device)
+        assert gpu[at - 1] == "--dev-bind" and gpu[at + 1] == device
+    assert not any(part.startswith("/dev/nvidia") for part in argv(()))

@@ -93,6 +93,7 @@ class SandboxedKernelManager(AsyncKernelManager):
     identity: Identity | None = None
     cgroup: Cgroup | None = None
     netns: str | None = None
+    devices: list[str] = []
 
     def format_kernel_cmd(self, extra_arguments: list[str] | None = None) -> list[str]:
         argv: list[str] = super().format_kernel_cmd(extra_arguments)
@@ -100,7 +101,8 @@ class SandboxedKernelManager(AsyncKernelManager):
             return argv
         return self.sandbox.wrap(argv, self.visible, self.visible[0], tmp=self.tmp,
                                  identity=self.identity, cgroup=self.cgroup,
-                                 readonly=self.readonly, netns=self.netns)
+                                 readonly=self.readonly, netns=self.netns,
+                                 devices=self.devices)
 
     def write_connection_file(self, **kwargs: Any) -> None:
         """The file (0600, with the kernel's key) must be readable by the sandbox's uid."""
@@ -128,6 +130,7 @@ class KernelProcess:
         identity: Identity | None = None,
         cgroup: Cgroup | None = None,
         netns: str | None = None,
+        devices: tuple[str, ...] = (),
     ) -> None:
         """``connection_dir`` holds the kernel's IPC sockets: keep its path short
         (a socket path must fit in 107 bytes). ``visible`` lists the directories,
@@ -179,6 +182,8 @@ class KernelProcess:
         self.manager.readonly = [*readonly, connection_dir] if ipc_dir else [*readonly]
         self.manager.tmp, self.manager.identity, self.manager.cgroup = tmp, identity, cgroup
         self.manager.netns = netns
+        #: Device nodes the sandbox binds (a GPU workspace's: the host's GPUs).
+        self.manager.devices = list(devices)
         #: Asked when the kernel dies by itself: why, when the platform knows (e.g.
         #: its memory limit). The answer is told to the notebook and the agent.
         self.death_reason: Callable[[], str | None] = lambda: None

@@ -16,7 +16,7 @@ from typing import Any
 
 from nbfleet.agent import filesync, statesync
 from nbfleet.agent.kernel_process import KernelProcess
-from nbfleet.agent.sandbox import Isolation
+from nbfleet.agent.sandbox import Isolation, gpu_devices
 from nbfleet.agent.slots import Slot, new_kernel
 from nbfleet.agent.warmpool import Warm, WarmPool
 from nbfleet.model.errors import Conflict, NotFound, SuspendFailed
@@ -66,7 +66,9 @@ class RuntimeManager:
         self.kernels: dict[str, KernelProcess] = {}
         self._generations: dict[str, int] = {}
         self._locks: dict[str, asyncio.Lock] = {}
-        self.pool = WarmPool(warm_pool, self.new_slot, self.sandbox)
+        #: This host's GPU device nodes (none where its GPUs are only declared).
+        self.gpu_devices = tuple(gpu_devices())
+        self.pool = WarmPool(warm_pool, self._warm_slot, self.sandbox)
         #: Fault injection for crash tests: hold a release or suspend open this long
         #: (a suspend, after its uploads and before it answers).
         self.release_delay_s = release_delay_s
@@ -74,9 +76,15 @@ class RuntimeManager:
         #: suspend, release); must not block (see ``bindings.ReleaseQueue.put``).
         self.on_released: Callable[[list[str]], None] = on_released or (lambda task_ids: None)
 
-    def new_slot(self, name: str, limits: Limits | None = None, network: str = "none") -> Slot:
+    def new_slot(self, name: str, limits: Limits | None = None, network: str = "none",
+                 devices: tuple[str, ...] = ()) -> Slot:
         return Slot.create(self.runtimes_dir, self.sockets_dir, name, self.isolation, limits,
-                           network)
+                           network, devices)
+
+    def _warm_slot(self, name: str) -> Slot:
+        """Warm slots on a host with GPUs see them: the policy prewarms a host for the
+        GPU kernels it will move there (and a workspace without GPUs never claims one)."""
+        return self.new_slot(name, devices=self.gpu_devices)
 
     def _lock(self, workspace_id: str) -> asyncio.Lock:
         return self._locks.setdefault(workspace_id, asyncio.Lock())
@@ -95,7 +103,7 @@ class RuntimeManager:
                      kernels: Iterable[tuple[str, str]],
                      snapshot: dict[str, str] | None = None,
                      packages: str | None = None, limits: Limits | None = None,
-                     network: str = "none") -> Placed:
+                     network: str = "none", gpus: int = 0) -> Placed:
         """Make the runtime exist with these kernels running (idempotent).
 
         A new runtime gets the workspace's files, its package layer and each
@@ -107,9 +115,10 @@ class RuntimeManager:
             self._fence(workspace_id, generation)
             runtime = self.runtimes.get(workspace_id)
             if runtime is None:
+                devices = self.gpu_devices if gpus else ()
                 return await self._place(workspace_id, generation, wanted, snapshot or {},
                                          packages, self.isolation.limits.over(limits),
-                                         network)
+                                         network, devices)
             runtime.generation = generation
             for kernel_id, name in wanted:
                 if kernel_id not in runtime.kernels:
@@ -118,13 +127,13 @@ class RuntimeManager:
 
     async def _place(self, workspace_id: str, generation: int, kernels: list[tuple[str, str]],
                      snapshot: dict[str, str], packages: str | None, limits: Limits,
-                     network: str) -> Placed:
-        fits = self._warm_fits(limits, network)
+                     network: str, devices: tuple[str, ...]) -> Placed:
+        fits = self._warm_fits(limits, network, devices)
         warm = self.pool.claim(kernels[0][1]) if kernels and fits else None
         if warm is not None and not await self._fit(warm, limits):
             warm = None
         slot = warm.slot if warm else await asyncio.to_thread(self.new_slot, workspace_id,
-                                                                limits, network)
+                                                                limits, network, devices)
         placed = Placed(Runtime(workspace_id, generation, slot))
         runtime = placed.runtime
         try:
@@ -168,8 +177,8 @@ class RuntimeManager:
                 raise Conflict(f"workspace {workspace_id} has no runtime on this host")
             if kernel_id in runtime.kernels:
                 return runtime.kernels[kernel_id]
-            if not runtime.kernels and self._warm_fits(runtime.slot.limits,
-                                                       runtime.slot.network):
+            if not runtime.kernels and self._warm_fits(runtime.slot.limits, runtime.slot.network,
+                                                       runtime.slot.devices):
                 warm = self.pool.claim(name)
                 if warm is not None and await self._fit(warm, runtime.slot.limits,
                                                         adopt=runtime.slot):
@@ -181,11 +190,13 @@ class RuntimeManager:
                     return warm.kernel
             return await self._start_kernel(runtime, kernel_id, name)
 
-    def _warm_fits(self, limits: Limits, network: str) -> bool:
+    def _warm_fits(self, limits: Limits, network: str, devices: tuple[str, ...]) -> bool:
         """Whether a warm slot can serve a workspace: its disk was made at the default
-        size and it has no network, so a project with a quota of its own, or with
-        internet access, gets a slot of its own."""
-        return limits.disk_bytes == self.isolation.limits.disk_bytes and network == "none"
+        size, it has no network and it sees this host's GPUs, so a project with a
+        quota of its own, or with internet access, and a workspace without GPUs on
+        a host with real ones, get a slot of their own."""
+        return (limits.disk_bytes == self.isolation.limits.disk_bytes and network == "none"
+                and devices == self.gpu_devices)
 
     async def _fit(self, warm: Warm, limits: Limits, adopt: Slot | None = None) -> bool:
         """Give a claimed warm slot the workspace's limits (and, with ``adopt``, its

@@ -77,12 +77,15 @@ class Slot:
     ipc_mount: bool = False
     #: The network namespace with internet access (a project in egress mode).
     netns: Netns | None = None
+    #: Device nodes its kernels see: the host's GPUs for a workspace that asks for
+    #: GPUs (which of them a cell may use is its binding's CUDA_VISIBLE_DEVICES).
+    devices: tuple[str, ...] = ()
     _oom_seen: int = 0
 
     @classmethod
     def create(cls, runtimes_dir: str, sockets_dir: str, name: str,
                isolation: Isolation | None = None, limits: Limits | None = None,
-               network: str = "none") -> Slot:
+               network: str = "none", devices: tuple[str, ...] = ()) -> Slot:
         """Make the slot's directories, and with ``isolation`` its uid, cgroup and disk.
 
         Half-made slots are removed again: nothing is left behind on failure.
@@ -90,7 +93,7 @@ class Slot:
         isolation = isolation or Isolation(None)
         limits = limits or isolation.limits
         slot = cls(name, os.path.join(runtimes_dir, name), os.path.join(sockets_dir, name),
-                   limits=limits, identities=isolation.identities)
+                   limits=limits, identities=isolation.identities, devices=devices)
         try:
             shutil.rmtree(slot.root, ignore_errors=True)  # a previous boot's leftovers
             if isolation.quotas is not None and limits.disk_bytes:
@@ -241,7 +244,8 @@ def new_kernel(slot: Slot, kernel_id: str, workspace_id: str, name: str,
                            sandbox=sandbox, visible=(slot.home, slot.packages, slot.state),
                            readonly=(slot.root,), ipc_dir=slot.ipc, extra_arguments=extra,
                            tmp=slot.tmp, identity=slot.identity, cgroup=slot.cgroup,
-                           netns=slot.netns.path if slot.netns else None)
+                           netns=slot.netns.path if slot.netns else None,
+                           devices=slot.devices)
     kernel.state_dir = state_dir if extra else None
     kernel.staging_root = slot.root
     kernel.death_reason = slot.death_reason

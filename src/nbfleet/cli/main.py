@@ -5,11 +5,8 @@ from __future__ import annotations
 import asyncio
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
-from rich.console import Console
-from rich.panel import Panel
 
 from nbfleet.cli import admin, credit, job, sim, users, ws
 from nbfleet.cli.fleet_options import (
@@ -23,7 +20,7 @@ from nbfleet.cli.fleet_options import (
     SCALE_IN_DELAY_OPT,
     fleet_options,
 )
-from nbfleet.cli.home import DEFAULT_PORT, home_dir, sqlite_url
+from nbfleet.cli.home import DEFAULT_PORT, home_dir
 from nbfleet.cli.isolation import (
     CGROUP_PARENT_OPT,
     KERNEL_CPUS_OPT,
@@ -32,14 +29,21 @@ from nbfleet.cli.isolation import (
     WORKSPACE_DISK_OPT,
     limits_from,
 )
-from nbfleet.model.errors import DomainError
-from nbfleet.model.resources import parse_gpu_spec
-
-if TYPE_CHECKING:
-    import socket
-    from collections.abc import Callable
-
-    from nbfleet.cli.servers import Serving
+from nbfleet.cli.startup import (
+    banner,
+    check_agent_options,
+    check_rate_limit_options,
+    check_suspend_options,
+    console,
+    control_server,
+    explicit_secret,
+    home_secret,
+    job_options,
+    listen,
+    port_opt,
+    private_home,
+    private_process,
+)
 
 # The server stack (FastAPI, SQLAlchemy, jupyter_client) is imported inside the
 # server commands only, so client commands like `nbfleet ws list` start fast.
@@ -56,7 +60,6 @@ app.add_typer(job.app, name="job")
 app.add_typer(job.binaries, name="binary")
 app.add_typer(admin.app, name="admin")
 app.command("sim")(sim.sim)
-console = Console(stderr=True)
 
 HOME_OPT = typer.Option(None, "--home", envvar="NBFLEET_HOME",
                         help="State directory [default: ./.nbfleet]")
@@ -119,159 +122,11 @@ SECRET_FILE_OPT = typer.Option(
          "0600 or stricter); or set NBFLEET_CLUSTER_SECRET  [default: HOME/cluster-secret]")
 
 
-def _port_opt(default: int, help_text: str = "Port to listen on") -> Any:
-    """A port as text, so that a bad one gets the same one-line error as a busy one."""
-    return typer.Option(str(default), "--port", metavar="PORT", help=help_text)
-
-
-def _fail(message: str) -> NoReturn:
-    """One line on stderr and exit status 2, the servers' answer to a bad start."""
-    from rich.markup import escape
-
-    console.print(f"[red]error:[/red] {escape(message)}", soft_wrap=True)
-    raise typer.Exit(2)
-
-
-def _private_process() -> str | None:
-    """First thing in every server command: owner-only file modes from now on, and
-    NBFLEET_CLUSTER_SECRET taken out of the environment (returned), so no kernel,
-    job or other child inherits it."""
-    from nbfleet.cli.cluster_secret import take_from_env
-    from nbfleet.cli.owner_only import restrict_umask
-
-    restrict_umask()
-    return take_from_env()
-
-
-def _listen(host: str, port: str) -> socket.socket:
-    from nbfleet.cli.listen import ListenError, bind, parse_port
-
-    try:
-        return bind(host, parse_port(port))
-    except ListenError as exc:
-        _fail(str(exc))
-
-
-def _explicit_secret(secret_file: str | None, from_env: str | None) -> str | None:
-    from nbfleet.cli.cluster_secret import SecretError, explicit
-
-    try:
-        return explicit(secret_file, from_env)
-    except SecretError as exc:
-        _fail(str(exc))
-
-
-def _private_home(home: Path, create: bool = True) -> None:
-    from nbfleet.cli.owner_only import secure_home
-
-    try:
-        secure_home(home, create)
-    except OSError as exc:
-        _fail(f"cannot use {home} as the state directory: {exc.strerror or exc}")
-
-
-def _home_secret(home: Path, create: bool) -> str:
-    from nbfleet.cli.cluster_secret import SecretError, from_home
-
-    try:
-        return from_home(home, create)
-    except SecretError as exc:
-        _fail(str(exc))
-
-
-def _job_options(tiers: str, prices: str, heartbeat_timeout: float, grace: float,
-                 retention: float, backoff: float, interval: float) -> dict[str, Any]:
-    """The job settings for ControlConfig; exits with a message if one is invalid."""
-    from nbfleet.control.platform import ControlConfig
-
-    options: dict[str, Any] = {"job_tiers": tiers, "gpu_prices": prices,
-               "job_heartbeat_timeout_s": heartbeat_timeout, "job_kill_grace_s": grace,
-               "job_result_retention_s": retention, "job_backoff_base_s": backoff,
-               "job_dispatch_interval_s": interval}
-    try:
-        ControlConfig(db_url="", blobs_url="", secret="", **options).job_settings()
-    except DomainError as exc:
-        console.print(f"[red]error:[/red] {exc.detail}")
-        raise typer.Exit(2) from exc
-    return options
-
-
-def _check_agent_options(gpus: str, sandbox: str) -> None:
-    from nbfleet.agent.sandbox import MODES
-
-    try:
-        parse_gpu_spec(gpus)
-    except DomainError as exc:
-        console.print(f"[red]error:[/red] {exc.detail}")
-        raise typer.Exit(2) from exc
-    if sandbox not in MODES:
-        console.print(f"[red]error:[/red] --sandbox must be one of {', '.join(MODES)}")
-        raise typer.Exit(2)
-
-
-def _check_suspend_options(on_busy: str) -> None:
-    if on_busy not in ("wait", "interrupt"):
-        console.print("[red]error:[/red] --suspend-on-busy must be 'wait' or 'interrupt'")
-        raise typer.Exit(2)
-
-
-def _check_rate_limit_options(rate: str, storage: str) -> None:
-    from rich.markup import escape
-
-    from nbfleet.web.ratelimit import ApiRateLimit, parse_rate
-
-    option = "--rate-limit"
-    try:
-        items = parse_rate(rate)
-        option = "--rate-limit-storage"
-        if items:
-            ApiRateLimit(items, storage)
-    except ValueError as exc:
-        console.print(f"[red]error:[/red] {option}: {escape(str(exc))}")
-        raise typer.Exit(2) from exc
-
-
-def _control(home: Path, db: str | None, blobs: str | None, secret: str,
-             sock: socket.socket, log_level: str, lifecycle: dict[str, Any]
-             ) -> tuple[Serving, str, str, Callable[[], Serving]]:
-    """The control plane's server (migrated DB, admin token) on ``sock``, its URL,
-    the admin token, and a factory for more servers on the same socket (workers)."""
-    from nbfleet.cli.listen import url_of
-    from nbfleet.cli.owner_only import secure_sqlite
-    from nbfleet.cli.servers import Serving, _Server, uvicorn_config
-    from nbfleet.control.app import create_app
-    from nbfleet.control.platform import ControlConfig
-    from nbfleet.control.tenancy import ensure_admin, write_secret
-
-    url = url_of(sock)
-    config = ControlConfig(db_url=db or sqlite_url(home), blobs_url=blobs or str(home / "blobs"),
-                           secret=secret, control_url=url, home_dir=str(home), **lifecycle)
-    secure_sqlite(config.db_url)  # one outside the home, left by an older version
-    control_app = create_app(config)
-    token = ensure_admin(control_app.state.platform.db, str(home / "admin-token"))
-    write_secret(str(home / "url"), url)
-
-    def another() -> Serving:
-        return Serving(_Server(uvicorn_config(create_app(config), log_level)), sock)
-
-    return Serving(_Server(uvicorn_config(control_app, log_level)), sock), url, token, another
-
-
-def _banner(url: str, token: str, home: Path) -> None:
-    console.print(Panel.fit(
-        f"[bold]nbfleet[/bold] is up at [cyan]{url}[/cyan]\n"
-        f"admin token: [yellow]{token}[/yellow]  (also in {home / 'admin-token'}, mode 0600)\n"
-        f"API docs:    {url}/docs\n"
-        "Press Ctrl-C to stop.",
-        title="nbfleet",
-    ))
-
-
 @app.command()
 def up(
     home: str | None = HOME_OPT,
     host: str = typer.Option("127.0.0.1", help="Address to listen on"),
-    port: str = _port_opt(DEFAULT_PORT, "Port of the control plane"),
+    port: str = port_opt(DEFAULT_PORT, "Port of the control plane"),
     gpus: str = typer.Option("4xA100-80GB", help="Virtual GPUs of the embedded agent"),
     sandbox: str = SANDBOX_OPT,
     kernel_memory: str = KERNEL_MEMORY_OPT,
@@ -309,29 +164,29 @@ def up(
     from nbfleet.agent.service import AgentConfig
     from nbfleet.cli.servers import agent_server, configure_logging, serve_all
 
-    _private_process()  # embedded mode keeps its own secret in the home
+    private_process()  # embedded mode keeps its own secret in the home
     configure_logging(log_level)
-    _check_agent_options(gpus, sandbox)
+    check_agent_options(gpus, sandbox)
     limits = limits_from(kernel_memory, kernel_cpus, kernel_pids, workspace_disk)
-    _check_suspend_options(suspend_on_busy)
-    _check_rate_limit_options(rate_limit, rate_limit_storage)
+    check_suspend_options(suspend_on_busy)
+    check_rate_limit_options(rate_limit, rate_limit_storage)
     lifecycle = {"idle_suspend_s": idle_suspend, "suspend_on_busy": suspend_on_busy,
                  "suspend_busy_timeout_s": suspend_busy_timeout,
                  "cull_interval_s": cull_interval, "rate_limit": rate_limit,
                  "credit_reap_interval_s": credit_reap_interval,
                  "rate_limit_storage": rate_limit_storage,
-                 **_job_options(job_tiers, gpu_prices, job_heartbeat_timeout, job_kill_grace,
+                 **job_options(job_tiers, gpu_prices, job_heartbeat_timeout, job_kill_grace,
                                 job_result_retention, job_retry_backoff,
                                 job_dispatch_interval),
                  **fleet_options(policy, host_gpus, max_hosts, replicas, meter_interval,
                                  autoscale_interval, scale_in_delay, host_agent_args,
                                  console)}
-    control_sock, agent_sock = _listen(host, port), _listen("127.0.0.1", "0")
+    control_sock, agent_sock = listen(host, port), listen("127.0.0.1", "0")
     state = home_dir(home)
-    _private_home(state)
-    secret = _home_secret(state, create=True)
-    control, url, token, _ = _control(state, None, None, secret, control_sock, log_level,
-                                      lifecycle)
+    private_home(state)
+    secret = home_secret(state, create=True)
+    control, url, token, _ = control_server(state, None, None, secret, control_sock,
+                                            log_level, lifecycle)
     agent = agent_server(
         AgentConfig(control_url=url, secret=secret,
                     state_dir=str(state / "agent"), gpus=gpus, sandbox=sandbox,
@@ -340,7 +195,7 @@ def up(
                     cgroup_parent=cgroup_parent),
         agent_sock, log_level,
     )
-    _banner(url, token, state)
+    banner(url, token, state)
     asyncio.run(serve_all([control, agent]))
     console.print("nbfleet stopped.")
 
@@ -354,7 +209,7 @@ def control(
     home: str | None = HOME_OPT,
     secret_file: str | None = SECRET_FILE_OPT,
     host: str = typer.Option("127.0.0.1", help="Address to listen on"),
-    port: str = _port_opt(DEFAULT_PORT),
+    port: str = port_opt(DEFAULT_PORT),
     idle_suspend: float = IDLE_OPT,
     suspend_on_busy: str = ON_BUSY_OPT,
     suspend_busy_timeout: float = BUSY_TIMEOUT_OPT,
@@ -392,16 +247,16 @@ def control(
         serve_forked,
     )
 
-    from_env = _private_process()
+    from_env = private_process()
     configure_logging(log_level)
-    _check_suspend_options(suspend_on_busy)
-    _check_rate_limit_options(rate_limit, rate_limit_storage)
+    check_suspend_options(suspend_on_busy)
+    check_rate_limit_options(rate_limit, rate_limit_storage)
     lifecycle = {"idle_suspend_s": idle_suspend, "suspend_on_busy": suspend_on_busy,
                  "suspend_busy_timeout_s": suspend_busy_timeout,
                  "cull_interval_s": cull_interval, "rate_limit": rate_limit,
                  "credit_reap_interval_s": credit_reap_interval,
                  "rate_limit_storage": rate_limit_storage,
-                 **_job_options(job_tiers, gpu_prices, job_heartbeat_timeout, job_kill_grace,
+                 **job_options(job_tiers, gpu_prices, job_heartbeat_timeout, job_kill_grace,
                                 job_result_retention, job_retry_backoff,
                                 job_dispatch_interval),
                  **fleet_options(policy, host_gpus, max_hosts, replicas, meter_interval,
@@ -411,14 +266,14 @@ def control(
         console.print("[red]error:[/red] --workers above 1 needs PostgreSQL (--db "
                       "postgresql://...): SQLite has one writer")
         raise typer.Exit(2)
-    given = _explicit_secret(secret_file, from_env)
-    sock = _listen(host, port)
+    given = explicit_secret(secret_file, from_env)
+    sock = listen(host, port)
     state = home_dir(home)
-    _private_home(state)
-    secret = given or _home_secret(state, create=True)
-    serving, url, token, another = _control(state, db, blobs, secret, sock, log_level,
-                                            lifecycle)
-    _banner(url, token, state)
+    private_home(state)
+    secret = given or home_secret(state, create=True)
+    serving, url, token, another = control_server(state, db, blobs, secret, sock,
+                                                  log_level, lifecycle)
+    banner(url, token, state)
     if workers == 1:
         run_fast(serve_all([serving]))
         return
@@ -435,7 +290,7 @@ def agent(
     state_dir: str | None = typer.Option(None, "--state-dir", help="[default: HOME/agent]"),
     gpus: str = typer.Option("", help="Virtual GPUs, e.g. 4xA100-80GB,2xH100-80GB"),
     host: str = typer.Option("127.0.0.1", help="Address to listen on"),
-    port: str = _port_opt(0, "Port to listen on (0 picks a free one)"),
+    port: str = port_opt(0, "Port to listen on (0 picks a free one)"),
     sandbox: str = SANDBOX_OPT,
     kernel_memory: str = KERNEL_MEMORY_OPT,
     kernel_cpus: str = KERNEL_CPUS_OPT,
@@ -450,17 +305,17 @@ def agent(
     from nbfleet.agent.service import AgentConfig
     from nbfleet.cli.servers import agent_server, configure_logging, serve_all
 
-    from_env = _private_process()
+    from_env = private_process()
     configure_logging(log_level)
-    _check_agent_options(gpus, sandbox)
+    check_agent_options(gpus, sandbox)
     limits = limits_from(kernel_memory, kernel_cpus, kernel_pids, workspace_disk)
-    given = _explicit_secret(secret_file, from_env)
-    sock = _listen(host, port)
+    given = explicit_secret(secret_file, from_env)
+    sock = listen(host, port)
     state = home_dir(home)
-    _private_home(state, create=False)  # the control plane's, in a shared home
+    private_home(state, create=False)  # the control plane's, in a shared home
     if state_dir:
-        _private_home(Path(state_dir), create=False)
-    secret = given or _home_secret(state, create=False)
+        private_home(Path(state_dir), create=False)
+    secret = given or home_secret(state, create=False)
     release_delay = float(os.environ.get("NBFLEET_FAULT_RELEASE_DELAY_S", "0"))
     serving = agent_server(
         AgentConfig(control_url=control_url.rstrip("/"), secret=secret,

@@ -328,7 +328,7 @@ class Reconciler:
             assert work.host_url is not None
             return await agents.ensure_runtime(
                 work.host_url, work.workspace_id, work.generation, list(work.kernels),
-                work.snapshot, work.limits, work.network,
+                work.snapshot, work.limits, work.network, work.gpus,
             )
         result: RuntimeSuspended | None = None
         if work.host_url is not None:

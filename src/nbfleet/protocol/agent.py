@@ -56,6 +56,9 @@ class EnsureRuntime(BaseModel):
     #: The project's own limits; unset fields take the agent's defaults.
     limits: RuntimeLimits | None = None
     network: Network = "none"
+    #: GPUs the workspace asks for: its kernels' sandbox binds the host's GPU device
+    #: nodes (none without; each cell sees only its binding's through the CUDA env).
+    gpus: int = Field(0, ge=0, le=64)
 
 
 class SuspendRuntime(BaseModel):

@@ -20,32 +20,23 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-import httpx
-from sqlalchemy import select
-
-from nbfleet.control import hosts
+from nbfleet.control.fleet import facts
 from nbfleet.control.fleet.cellgate import GateRegistry
 from nbfleet.control.fleet.metering import CellMeter
 from nbfleet.control.fleet.provider import HostProvider
 from nbfleet.control.fleet.scaling import Scaler
 from nbfleet.control.fleet.scheduler import (
     Binding,
-    CellFacts,
     CellRefused,
-    KernelFacts,
     LiveScheduler,
 )
 from nbfleet.control.fleet.sizing import outgrown, sized_policy
 from nbfleet.control.fleet.view import export_gauges
-from nbfleet.control.workspaces import spec_from_json
-from nbfleet.db.tables import Agent, Kernel, Project, Workspace
 from nbfleet.model.cluster import ResourceSpec
 from nbfleet.model.errors import DomainError, Unavailable
-from nbfleet.model.resources import HostInventory, inventory_from_json
-from nbfleet.model.workspace import WorkspaceState
+from nbfleet.model.resources import HostInventory
 from nbfleet.policy.scheduling.base import FleetPolicy
 from nbfleet.policy.scheduling.decisions import Migrated
-from nbfleet.protocol.gpu import AgentBindings
 
 if TYPE_CHECKING:
     from nbfleet.control.platform import Platform
@@ -59,10 +50,6 @@ REAP_EVERY_S = 10.0
 #: How long a prewarm may take before the scheduler stops waiting for it (the
 #: host then keeps counting those containers as warming, and is not asked again).
 PREWARM_TIMEOUT_S = 300.0
-#: Workspace states whose runtime holds (or is about to hold) its placement.
-PLACED_STATES = (WorkspaceState.RUNNING, WorkspaceState.RESUMING, WorkspaceState.CREATING,
-                 WorkspaceState.SUSPENDING)
-
 
 @dataclass(frozen=True, slots=True)
 class GpuPlacement:
@@ -73,12 +60,6 @@ class GpuPlacement:
     reserved: tuple[int, ...] = ()
     waiting: str | None = None
     refused: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class _Facts:
-    hosts: list[tuple[str, HostInventory, str]]  # id, inventory, url
-    kernels: list[KernelFacts]
 
 
 class FleetService:
@@ -116,17 +97,17 @@ class FleetService:
     # ------------------------------------------------------------- the lease
     async def take_over(self, token: int) -> None:
         """This replica now holds the lease: rebuild the model from the facts."""
-        facts = await asyncio.to_thread(self._read_facts)
-        self._host_urls = {host_id: url for host_id, _, url in facts.hosts}
-        cells = await self._reported_cells(facts.hosts)
-        policy = self.new_policy([(h, inv) for h, inv, _ in facts.hosts])
+        fleet, kernels = await asyncio.to_thread(facts.placed, self.platform)
+        self._host_urls = {host_id: url for host_id, _, url in fleet}
+        cells = await facts.reported_cells(self.platform, fleet)
+        policy = self.new_policy([(h, inv) for h, inv, _ in fleet])
         if self.meter is not None:
             await self.meter.aclose()
         self.meter = CellMeter(self.platform.db, self.platform.jobs.prices, policy.billing)
         scheduler = LiveScheduler(policy, effects=_Effects(self))
         if self.scheduler is not None:  # one decision log across rebuilds
             scheduler.log, scheduler.logged = self.scheduler.log, self.scheduler.logged
-        refused = scheduler.rebuild([(h, inv) for h, inv, _ in facts.hosts], facts.kernels, cells)
+        refused = scheduler.rebuild([(h, inv) for h, inv, _ in fleet], kernels, cells)
         for cell in cells:
             if cell.task_id not in refused:
                 self.meter.adopt(cell.task_id, len(cell.gpu_indices), cell.ran_s)
@@ -142,7 +123,7 @@ class FleetService:
             for task in list(old.queue()):
                 old.cancel(task[0].id)
         log.info("fleet scheduler (%s) rebuilt: %d hosts, %d GPU kernels, %d running cells",
-                 self.platform.config.fleet.policy, len(facts.hosts), len(facts.kernels),
+                 self.platform.config.fleet.policy, len(fleet), len(kernels),
                  len(cells))
 
     def stand_down(self) -> None:
@@ -151,55 +132,6 @@ class FleetService:
         if scheduler is not None:
             for task, _ in scheduler.queue():
                 scheduler.cancel(task.id)
-
-    def _read_facts(self) -> _Facts:
-        config = self.platform.config
-        with self.platform.db.transaction(write=False) as session:
-            now = self.platform.db.now(session)
-            alive = session.execute(
-                select(Agent).where(Agent.last_heartbeat_at >= hosts.alive_since(
-                    now, config.agent_timeout_s)).order_by(Agent.id)).scalars()
-            fleet = [(a.id, inventory_from_json(a.inventory), a.url) for a in alive]
-            kernels: list[KernelFacts] = []
-            for ws, weight in session.execute(
-                    select(Workspace, Project.job_weight)
-                    .join(Project, Project.id == Workspace.project_id)
-                    .where(Workspace.state.in_([str(s) for s in PLACED_STATES]),
-                           Workspace.gpu_placement.is_not(None))).tuples():
-                placement = ws.gpu_placement or {}
-                kernels.append(KernelFacts(
-                    ws.id, spec_from_json(ws.resources), tuple(placement.get("hosts", ())),
-                    tuple(placement.get("reserved", ())), ws.project_id, weight))
-        return _Facts(fleet, kernels)
-
-    async def _reported_cells(self, fleet: list[tuple[str, HostInventory, str]]) -> list[CellFacts]:
-        """Every alive agent's bound cells; an agent that does not answer has none
-        we can trust (its host is lost soon if it is really gone)."""
-        answers = await asyncio.gather(*(self._bindings_on(url) for _, _, url in fleet))
-        cells: list[CellFacts] = []
-        for (host_id, _, _), report in zip(fleet, answers, strict=True):
-            for active in report.bindings if report is not None else ():
-                binding = active.binding
-                if binding.host_id != host_id:
-                    continue  # a binding for another host is not this host's to report
-                workspace_id = self._workspace_of(active.kernel_id)
-                if workspace_id is not None:
-                    cells.append(CellFacts(binding.task_id, workspace_id, host_id,
-                                           tuple(binding.gpu_indices), active.age_s))
-        return cells
-
-    async def _bindings_on(self, url: str) -> AgentBindings | None:
-        try:
-            body = await self.platform.agents.bindings(url)
-        except (httpx.HTTPError, OSError, ValueError) as exc:
-            log.warning("agent %s did not report its bindings: %s", url, exc)
-            return None
-        return body
-
-    def _workspace_of(self, kernel_id: str) -> str | None:
-        with self.platform.db.transaction(write=False) as session:
-            row = session.get(Kernel, kernel_id)
-            return row.workspace_id if row is not None else None
 
     # ---------------------------------------------------------------- ledger
     async def admit(self, binding: Binding, on_refused: Callable[[str], None]) -> str | None:
@@ -258,10 +190,10 @@ class FleetService:
         scheduler = self.scheduler
         if scheduler is None:
             return
-        facts = await asyncio.to_thread(self._alive_hosts)
-        alive = {host_id for host_id, _, _ in facts}
+        alive_hosts = await asyncio.to_thread(facts.alive_hosts, self.platform)
+        alive = {host_id for host_id, _, _ in alive_hosts}
         self.scaler.forget_gone(alive)
-        for host_id, inventory, url in facts:
+        for host_id, inventory, url in alive_hosts:
             self._host_urls[host_id] = url
             if host_id not in scheduler.policy.hosts and host_id not in self.scaler.draining:
                 scheduler.host_joined(host_id, inventory)
@@ -270,33 +202,24 @@ class FleetService:
             lost = scheduler.host_lost(host_id)
             if lost:
                 log.warning("host %s lost with %d cells running", host_id, len(lost))
-        await self._fit_to_fleet(scheduler, facts)
+        await self._fit_to_fleet(scheduler, alive_hosts)
 
     async def _fit_to_fleet(self, scheduler: LiveScheduler,
-                            facts: Sequence[tuple[str, HostInventory, str]]) -> None:
+                            alive: Sequence[facts.HostFact]) -> None:
         """More hosts than the policy was sized for (agents that registered after a
         fresh start): rebuild it from the facts. Otherwise keep the autoscaler's
         floor at the hosts it cannot stop."""
-        fleet = [inv for _, inv, _ in facts]
+        fleet = [inv for _, inv, _ in alive]
         if self.token is not None and outgrown(scheduler.policy, self.platform.config.fleet,
                                                fleet):
             log.info("the fleet outgrew the policy's sizing (%d hosts): rebuilding", len(fleet))
             await self.take_over(self.token)
             return
-        wanted = self.new_policy([(h, inv) for h, inv, _ in facts]).config.autoscaler.min_hosts
+        wanted = self.new_policy([(h, inv) for h, inv, _ in alive]).config.autoscaler.min_hosts
         config = scheduler.policy.config
         if config.autoscaler.min_hosts != wanted:
             scheduler.policy.config = replace(
                 config, autoscaler=replace(config.autoscaler, min_hosts=wanted))
-
-    def _alive_hosts(self) -> list[tuple[str, HostInventory, str]]:
-        config = self.platform.config
-        with self.platform.db.transaction(write=False) as session:
-            now = self.platform.db.now(session)
-            alive = session.execute(
-                select(Agent).where(Agent.last_heartbeat_at >= hosts.alive_since(
-                    now, config.agent_timeout_s)).order_by(Agent.id)).scalars()
-            return [(a.id, inventory_from_json(a.inventory), a.url) for a in alive]
 
     def prewarm(self, host_id: str, count: int) -> None:
         """The policy wants ``count`` more warm containers on the host: grow the
@@ -360,7 +283,7 @@ class FleetService:
         reaped = 0
         for host_id, task_ids in by_host.items():
             url = self._host_urls.get(host_id)
-            report = await self._bindings_on(url) if url else None
+            report = await facts.agent_bindings(self.platform, url) if url else None
             if report is None or self.scheduler is not scheduler:
                 continue
             reported = {a.binding.task_id for a in report.bindings}
