@@ -44,9 +44,21 @@ def binding(task_id: str, *indices: int) -> dict[str, Any]:
                           "gpu_indices": list(indices), "gpu_type": "A100-80GB"}}
 
 
+def bound(kernel: KernelProcess, code: str, *indices: int,
+          protocol: str | None = None) -> ClientMessage:
+    """An execute_request bound as the control plane binds it: its task id is
+    ``{kernel id}/{msg_id}``."""
+    msg_id = uuid.uuid4().hex
+    return execute_request(code, binding(f"{kernel.id}/{msg_id}", *indices), protocol, msg_id)
+
+
+def task_of(kernel: KernelProcess, request: ClientMessage) -> str:
+    return f"{kernel.id}/{request.msg_id}"
+
+
 def execute_request(code: str, metadata: dict[str, Any] | None = None,
-                    protocol: str | None = None) -> ClientMessage:
-    header = {"msg_id": uuid.uuid4().hex, "msg_type": "execute_request", "session": "t",
+                    protocol: str | None = None, msg_id: str | None = None) -> ClientMessage:
+    header = {"msg_id": msg_id or uuid.uuid4().hex, "msg_type": "execute_request", "session": "t",
               "username": "t", "version": "5.3", "date": "2026-01-01T00:00:00Z"}
     content = {"code": code, "silent": False, "store_history": True,
                "user_expressions": {}, "allow_stdin": False, "stop_on_error": True}
@@ -129,18 +141,18 @@ async def test_a_bound_cell_and_its_subprocess_see_their_gpus(
     kernel: KernelProcess, protocol: str | None
 ) -> None:
     client = kernel.attach(protocol)
-    request = execute_request(
-        "import os, subprocess\n"
+    request = bound(
+        kernel, "import os, subprocess\n"
         "print('cell', os.environ['CUDA_VISIBLE_DEVICES'], os.environ['NVIDIA_VISIBLE_DEVICES'])\n"
         "print('captured', subprocess.run(['sh', '-c', 'echo $CUDA_VISIBLE_DEVICES'],"
         " capture_output=True, text=True).stdout.strip())\n"
         "subprocess.run(['sh', '-c', 'echo raw $CUDA_VISIBLE_DEVICES'])\n",
-        binding("task_env", 1, 3), protocol)
+        1, 3, protocol=protocol)
     reply, out = await run(kernel, client, request, settle_s=1.0)
     assert reply["status"] == "ok", out
     assert "cell 1,3 1,3\n" in out and "captured 1,3\n" in out
     assert "raw 1,3\n" in out  # the subprocess's own stdout, relayed by ipykernel
-    assert released(kernel) == ["task_env"] and len(kernel.bindings) == 0
+    assert released(kernel) == [task_of(kernel, request)] and len(kernel.bindings) == 0
     # Put back after the cell: the next, unbound, cell sees the kernel's own value.
     reply, out = await run(kernel, client, execute_request(
         "import os; print(os.environ.get('CUDA_VISIBLE_DEVICES'))"))
@@ -151,10 +163,10 @@ async def test_a_binding_is_listed_while_its_cell_runs_and_reported_after(
     kernel: KernelProcess
 ) -> None:
     client = kernel.attach()
-    request = execute_request(
-        "import time\nfrom nbfleet.kernel import current_binding\n"
-        "print(current_binding().task_id, current_binding().gpu_indices)\ntime.sleep(2)",
-        binding("task_busy", 0))
+    request = bound(
+        kernel, "import time\nfrom nbfleet.kernel import current_binding\n"
+        "print(current_binding().task_id, current_binding().gpu_indices)\ntime.sleep(2)", 0)
+    task = task_of(kernel, request)
     async with agent_app({kernel.id: kernel}) as http:
         kernel.send_from_client(client, request)
         await asyncio.sleep(0.5)
@@ -163,7 +175,7 @@ async def test_a_binding_is_listed_while_its_cell_runs_and_reported_after(
         assert response.status_code == 200
         listed = AgentBindings.model_validate(response.json()).bindings
         assert [(a.kernel_id, a.msg_id, a.binding.task_id, a.binding.gpu_indices)
-                for a in listed] == [(kernel.id, request.msg_id, "task_busy", (0,))]
+                for a in listed] == [(kernel.id, request.msg_id, task, (0,))]
         assert 0.3 < listed[0].age_s < 30
         assert released(kernel) == []
         assert (await http.get("/agent/v1/bindings")).status_code == 401
@@ -172,9 +184,9 @@ async def test_a_binding_is_listed_while_its_cell_runs_and_reported_after(
             message = await asyncio.wait_for(client.queue.get(), 30)
             assert message is not None
             frames.append(json.loads(message.legacy_frame()))
-        assert any(f["msg_type"] == "stream" and f["content"]["text"] == "task_busy (0,)\n"
+        assert any(f["msg_type"] == "stream" and f["content"]["text"] == f"{task} (0,)\n"
                    for f in frames)
-        assert released(kernel) == ["task_busy"]
+        assert released(kernel) == [task]
         response = await http.get("/agent/v1/bindings",
                                   headers={"Authorization": f"Bearer {SECRET}"})
         assert response.json() == {"bindings": []}
@@ -182,22 +194,22 @@ async def test_a_binding_is_listed_while_its_cell_runs_and_reported_after(
 
 async def test_a_kernel_killed_mid_cell_releases_its_binding(kernel: KernelProcess) -> None:
     client = kernel.attach()
-    kernel.send_from_client(client, execute_request("import time; time.sleep(60)",
-                                                    binding("task_killed", 2)))
+    request = bound(kernel, "import time; time.sleep(60)", 2)
+    kernel.send_from_client(client, request)
     await until(lambda: kernel.execution_state == "busy")
     assert len(kernel.bindings) == 1
     os.kill(kernel.manager.provisioner.pid, signal.SIGKILL)  # type: ignore[union-attr]
-    await until(lambda: released(kernel) == ["task_killed"])
+    await until(lambda: released(kernel) == [task_of(kernel, request)])
     assert len(kernel.bindings) == 0
 
 
 async def test_a_restart_mid_cell_releases_its_binding(kernel: KernelProcess) -> None:
     client = kernel.attach()
-    kernel.send_from_client(client, execute_request("import time; time.sleep(60)",
-                                                    binding("task_restarted", 2)))
+    request = bound(kernel, "import time; time.sleep(60)", 2)
+    kernel.send_from_client(client, request)
     await until(lambda: kernel.execution_state == "busy")
     await kernel.restart()
-    assert released(kernel) == ["task_restarted"] and len(kernel.bindings) == 0
+    assert released(kernel) == [task_of(kernel, request)] and len(kernel.bindings) == 0
 
 
 async def test_cells_without_a_binding_leave_nothing_tracked(kernel: KernelProcess) -> None:
@@ -226,6 +238,21 @@ async def test_a_malformed_binding_neither_crashes_nor_binds(
     assert len(kernel.bindings) == 0 and released(kernel) == []
 
 
+async def test_a_binding_a_client_forged_for_another_cell_is_never_tracked(
+    kernel: KernelProcess
+) -> None:
+    """A client (a notebook without GPUs talks to its kernel directly) writes a
+    binding naming another tenant's cell: the agent must not track it, or its
+    reply would end, and release, that other cell's GPUs."""
+    client = kernel.attach()
+    forged = execute_request("import time; time.sleep(1)", binding("k_other/m_other", 0))
+    kernel.send_from_client(client, forged)
+    await until(lambda: kernel.execution_state == "busy")
+    assert len(kernel.bindings) == 0
+    await until(lambda: kernel.execution_state == "idle")
+    assert released(kernel) == []
+
+
 @pytest.fixture
 async def manager(tmp_path: Path) -> AsyncIterator[tuple[RuntimeManager, list[str]]]:
     reported: list[str] = []
@@ -246,16 +273,16 @@ async def test_suspending_or_releasing_a_runtime_reports_its_bound_cells(
     placed = await runtimes.ensure("ws_gpu", 1, [("k_gpu", "python3")])
     kernel = placed.runtime.kernels["k_gpu"]
     client = kernel.attach()
-    kernel.send_from_client(client, execute_request("import time; time.sleep(60)",
-                                                    binding(f"task_{how}", 0, 1)))
+    request = bound(kernel, "import time; time.sleep(60)", 0, 1)
+    kernel.send_from_client(client, request)
     await until(lambda: kernel.execution_state == "busy")
     if how == "suspend":
         saved = await runtimes.suspend("ws_gpu", 2, SuspendOptions("interrupt", 0.0))
         assert saved is not None
     else:
         assert await runtimes.release("ws_gpu", 2, sync=False)
-    await until(lambda: f"task_{how}" in reported)
-    assert reported == [f"task_{how}"]  # once, whichever way it ended
+    await until(lambda: task_of(kernel, request) in reported)
+    assert reported == [task_of(kernel, request)]  # once, whichever way it ended
     assert "k_gpu" not in runtimes.kernels and len(kernel.bindings) == 0
 
 

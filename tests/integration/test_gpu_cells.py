@@ -27,7 +27,7 @@ from tests.support.cluster import (
     wait_state,
     wait_until,
 )
-from tests.support.credit_api import CREDIT, grant, new_tenant, query, verified
+from tests.support.credit_api import CREDIT, grant, key, new_tenant, query, verified
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -330,6 +330,34 @@ def test_an_org_without_credit_is_told_and_its_cell_does_not_run(gpu_cluster: Cl
         gpu_cluster, tenant.client, workspace_id, kernel_id,
         "import os; print(os.path.exists('ran.txt'))").stdout.strip(), 15, 1.0,
         "a cell that runs once credit arrived")
+    assert checked == "False", "the refused cell must not have run"
+    verified(gpu_cluster)
+
+
+def test_a_user_over_budget_is_told_and_the_cell_does_not_run(gpu_cluster: Cluster) -> None:
+    """The org has credit, but its user's daily budget (hard) is spent: the cell's
+    hold is refused with the budget's reason, the cell does not run, nothing is
+    committed, and the ledger verifies."""
+    tenant = new_tenant(gpu_cluster)
+    grant(gpu_cluster, tenant, 1000 * CREDIT)
+    body = {"org": tenant.org, "user": tenant.user, "period": "day", "limit": 0,
+            "enforcement": "hard"}
+    created = gpu_cluster.admin().post("/v1/credits/budgets", json=body, headers=key())
+    assert created.status_code == 201, created.text
+    workspace_id, kernel_id = gpu_workspace(tenant.client, "capped")
+    refused = run_cell(gpu_cluster, tenant.client, workspace_id, kernel_id,
+                       "open('ran.txt', 'w').write('ran')")
+    assert refused.status == "error" and refused.error_name == "InsufficientCredit"
+    evalue = refused.reply["evalue"]
+    assert "budget" in evalue and "the cell did not run" in evalue, evalue
+    assert fleet(gpu_cluster)["totals"]["committed_gpus"] == 0
+    raised = gpu_cluster.admin().patch(f"/v1/credits/budgets/{created.json()['id']}",
+                                       json={"limit": 100 * CREDIT}, headers=key())
+    assert raised.status_code == 200, raised.text
+    checked = wait_until(lambda: run_cell(
+        gpu_cluster, tenant.client, workspace_id, kernel_id,
+        "import os; print(os.path.exists('ran.txt'))").stdout.strip(), 15, 1.0,
+        "a cell that runs once the budget allows it")
     assert checked == "False", "the refused cell must not have run"
     verified(gpu_cluster)
 

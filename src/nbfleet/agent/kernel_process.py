@@ -384,9 +384,15 @@ class KernelProcess:
 
     def send_from_client(self, client: Client, message: ClientMessage) -> None:
         if message.binding is not None and message.channel == "shell" and not self._stopping:
-            # Bound from the moment the agent accepts the cell: the control plane
-            # committed its GPUs when it sent it.
-            self.bindings.start(message.msg_id, message.binding)
+            if message.binding.task_id == f"{self.id}/{message.msg_id}":
+                # Bound from the moment the agent accepts the cell: the control plane
+                # committed its GPUs when it sent it.
+                self.bindings.start(message.msg_id, message.binding)
+            else:
+                # Not the control plane's (its cells are ``{kernel id}/{msg_id}``): a
+                # binding a client wrote itself, which must never end another's cell.
+                log.warning("kernel %s: ignoring a binding for another cell (%s)", self.id,
+                            message.binding.task_id[:80])
         if not self._ready.is_set() and not self._stopping:
             # (Re)starting: held until the new process's iopub is subscribed, or the
             # cell's output would be published before anyone listens, and lost.

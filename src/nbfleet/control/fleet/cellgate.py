@@ -138,9 +138,10 @@ class CellGate:
         scheduler = self.scheduler()
         if scheduler is None:
             await self._fail(request, "GPUSchedulerUnavailable",
-                             "GPU scheduling is not running on this control plane "
-                             "(it is starting, or another replica holds it); "
-                             "run the cell again in a moment")
+                             "GPU cells are scheduled by the one control-plane replica "
+                             "that holds the scheduler's lease, and it is not the one this "
+                             "connection reached (or it is starting); the cell did not run. "
+                             "Reconnect the kernel, then run the cell again")
             return False
         task_id = f"{self.kernel_id}/{request.msg_id}"
         acquiring = asyncio.create_task(scheduler.acquire(task_id, self.workspace_id, self.gpus))

@@ -70,6 +70,9 @@ class _Meter:
     seq: int = 0
     since: float = 0.0
     gpus: int = 0  # counted while running (cells), or the standby/reserved GPUs now
+    gpu_type: str = ""
+    #: Why the ledger refused this meter's hold (a kernel's: asked again until it holds).
+    refused: str | None = None
 
 
 def cell_work_id(task_id: str) -> str:
@@ -101,6 +104,16 @@ class CellMeter:
         ``on_refused`` is called if a hold taken in the background is refused
         after the cell was let through.
         """
+        kernel = self._kernels.get(workspace_id)
+        if kernel is not None and kernel.refused is not None:
+            # The kernel's own GPUs are unpaid: no cell runs until they are (asked
+            # again now, at most once per REFUSAL_MEMORY_S).
+            refused = self._refused.get(workspace_id)
+            if refused is not None and self.clock() < refused[1]:
+                return refused[0]
+            await self._reserve_kernel(kernel, workspace_id)
+            if kernel.refused is not None:
+                return kernel.refused
         refused = self._refused.get(workspace_id)
         if refused is not None and self.clock() < refused[1]:
             return refused[0]
@@ -144,9 +157,11 @@ class CellMeter:
             if gpus == 0:
                 return
             meter = _Meter(f"{self.billing}:{workspace_id}:{generation_key}"[:100], None,
-                           since=self.clock())
+                           since=self.clock(), gpu_type=gpu_type)
             self._kernels[workspace_id] = meter
-            self._spawn(self._reserve_kernel(meter, workspace_id, gpu_type))
+            self._spawn(self._reserve_kernel(meter, workspace_id))
+        elif meter.refused is not None:
+            self._spawn(self._reserve_kernel(meter, workspace_id))  # each pass, until paid
         self._advance(meter)
         meter.gpus = gpus
 
@@ -211,19 +226,26 @@ class CellMeter:
         if reason is not None:
             on_refused(reason)
 
-    async def _reserve_kernel(self, meter: _Meter, workspace_id: str, gpu_type: str) -> None:
+    async def _reserve_kernel(self, meter: _Meter, workspace_id: str) -> None:
+        """Hold credit for the kernel's own GPUs; until the ledger agrees the
+        meter stays refused, its usage uncounted, and the kernel's cells wait."""
         tenant = await self._tenant(workspace_id)
         if tenant is None:
             return
-        rate = self._rate(gpu_type)
+        rate = self._rate(meter.gpu_type)
         request = holds.HoldRequest(meter.work_id, tenant.org_id, tenant.project_id,
-                                    tenant.user_id, gpu_type, rate,
+                                    tenant.user_id, meter.gpu_type, rate,
                                     hold_amount(CELL_HOLD_S, max(1, meter.gpus), rate), LEASE_S)
         try:
             meter.hold_id = await asyncio.to_thread(self._hold, request)
         except PaymentRequired as refused:
             reason = f"no credit for the kernel's {self.billing} GPUs: {refused.detail}"
+            meter.refused = reason
+            meter.gpu_ms = 0.0  # nothing held: nothing to report until it is
             self._refused[workspace_id] = (reason, self.clock() + REFUSAL_MEMORY_S)
+            return
+        meter.refused = None
+        self._refused.pop(workspace_id, None)
 
     def _hold(self, request: holds.HoldRequest) -> str:
         with self.db.transaction() as session:
