@@ -37,6 +37,8 @@ def test_the_tenant_that_used_less_goes_first_however_late_it_asked() -> None:
     fleet.submit(TaskRequest("light/0", "light", 1), 20.0)  # waits, asked later
     assert started_after(fleet, "heavy/0", 3600.0) == "light/0"
     assert started_after(fleet, "light/0", 3700.0) == "heavy/1"
+    fleet.lose_host("h0", 3800.0)  # the last cell ends with its host
+    assert fleet.fair._load == {} and not fleet.running, "nothing left charged as running"
 
 
 def first_served(weight_of_p1: float) -> str:

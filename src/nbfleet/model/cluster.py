@@ -63,6 +63,8 @@ class Host:
         if len({g.index for g in self.gpus}) != len(self.gpus):
             raise InvalidInput(f"host {host_id} lists a GPU index twice")
         self._subscriptions: dict[str, ResourceSpec] = {}
+        #: Their GPUs, kept as they change: the policies read it on every decision.
+        self._subscribed_gpus = 0
         self._bindings: dict[int, str] = {}  # GPU index -> holder
         self._held: dict[str, tuple[int, ...]] = {}  # holder -> GPU indices
 
@@ -79,10 +81,13 @@ class Host:
         if holder in self._subscriptions:
             raise Conflict(f"{holder} is already subscribed on {self.id}")
         self._subscriptions[holder] = spec
+        self._subscribed_gpus += spec.gpus
 
     def unsubscribe(self, holder: str) -> None:
         """Drop a subscription (and any GPUs the holder still has bound)."""
-        self._subscriptions.pop(holder, None)
+        spec = self._subscriptions.pop(holder, None)
+        if spec is not None:
+            self._subscribed_gpus -= spec.gpus
         self.release(holder)
 
     @property
@@ -91,7 +96,7 @@ class Host:
 
     @property
     def subscribed_gpus(self) -> int:
-        return sum(spec.gpus for spec in self._subscriptions.values())
+        return self._subscribed_gpus
 
     def subscription_ratio(self, replicas: int) -> float:
         """NotebookOS's SR: subscribed GPUs / (host GPUs x replicas per kernel)."""

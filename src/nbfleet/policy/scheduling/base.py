@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import ClassVar, Literal
 
@@ -109,6 +109,12 @@ class FleetPolicy:
         """What a finished task leaves behind (e.g. a container back to the pool)."""
         return []
 
+    def fleet_wide_key(self, task: TaskRequest, kernel: KernelState) -> Hashable | None:
+        """A key such that when ``start_task`` fails for a task, it fails for every
+        task of the same key until GPUs are freed (the policy tries every host), or
+        None when a failure says nothing about other tasks."""
+        return None
+
     def prewarm_target(self, host: Host) -> int:
         """Warm containers this host should keep."""
         return self.config.prewarm_per_host
@@ -194,7 +200,7 @@ class FleetPolicy:
         if host is not None:
             host.release(task_id)
         kernel = self.kernels.get(running.task.kernel_id)
-        self.fair.finished(running.task, kernel.tenant if kernel else "", now)
+        self.fair.finished(task_id, now)
         if kernel is not None:
             kernel.last_active = now
             kernel.running = None
@@ -221,6 +227,7 @@ class FleetPolicy:
         self.warming.pop(host_id, None)
         for task_id in [t for t, r in self.running.items() if r.host_id == host_id]:
             running = self.running.pop(task_id)
+            self.fair.finished(task_id, now)
             kernel = self.kernels.get(running.task.kernel_id)
             if kernel is not None:
                 kernel.running = None
@@ -312,8 +319,8 @@ class FleetPolicy:
         started = decisions[0]
         assert isinstance(started, Started)
         self.running[task.id] = RunningTask(task, started.host_id, started.path)
-        self.fair.started(task.id, now)
         kernel = self.kernels[task.kernel_id]
+        self.fair.started(task, kernel.tenant, now)
         kernel.last_executor = started.host_id
         kernel.running = task.id
 
@@ -340,14 +347,20 @@ class FleetPolicy:
     def _drain(self, now: float) -> list[Decision]:
         """Start what queued work now fits, in the fair queue's order."""
         out: list[Decision] = []
-        self.queue = self.fair.order(self.queue, self._tenant_of,
-                                     (r.task for r in self.running.values()), now)
+        self.queue = self.fair.order(self.queue, self._tenant_of, now)
+        # What could not start anywhere in this pass cannot later in it either (GPUs
+        # only get taken): tasks alike are not tried again (``fleet_wide_key``).
+        failed: set[Hashable] = set()
         kept: deque[TaskRequest] = deque()
         while self.queue:
             task = self.queue.popleft()
             kernel = self.kernels[task.kernel_id]
-            started = self.start_task(task, kernel, now) if kernel.placed else None
+            key = self.fleet_wide_key(task, kernel) if kernel.placed else None
+            started = (self.start_task(task, kernel, now)
+                       if kernel.placed and (key is None or key not in failed) else None)
             if started is None:
+                if key is not None:
+                    failed.add(key)
                 kept.append(task)
                 if self.strict_fifo:  # first come, first served: nobody overtakes the head
                     kept.extend(self.queue)

@@ -14,7 +14,7 @@ configured half-life; it lives in the model, so a rebuilt model starts it afresh
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 from nbfleet.policy.fairness import QueuedWork, RunningLoad, Tenant, UsageLedger, order_queue
 from nbfleet.policy.scheduling.decisions import TaskRequest
@@ -26,29 +26,43 @@ class FairShare:
         #: tenant -> fair-share weight (default 1).
         self.weights: dict[str, float] = {}
         self._submitted: dict[str, float] = {}
-        self._started: dict[str, float] = {}
+        #: task -> (started at, tenant, GPUs): what each running cell charges.
+        self._started: dict[str, tuple[float, str, int]] = {}
+        #: tenant -> [running cells, their GPUs], kept as cells start and end so
+        #: ordering never walks the running cells (thousands, on a big fleet).
+        self._load: dict[str, list[int]] = {}
 
     def submitted(self, task_id: str, now: float) -> None:
         self._submitted.setdefault(task_id, now)
 
-    def started(self, task_id: str, now: float) -> None:
-        self._submitted.pop(task_id, None)
-        self._started[task_id] = now
+    def started(self, task: TaskRequest, tenant: str, now: float) -> None:
+        self._submitted.pop(task.id, None)
+        self._started[task.id] = (now, tenant, task.gpus)
+        load = self._load.setdefault(tenant, [0, 0])
+        load[0] += 1
+        load[1] += task.gpus
 
     def withdrawn(self, task_id: str) -> None:
         self._submitted.pop(task_id, None)
 
-    def finished(self, task: TaskRequest, tenant: str, now: float) -> None:
-        """Charge the cell's GPU-seconds to its tenant."""
-        began = self._started.pop(task.id, now)
-        if task.gpus and now > began:
-            self.usage = self.usage.record(tenant, task.gpus * (now - began), now)
+    def finished(self, task_id: str, now: float) -> None:
+        """Charge the cell's GPU-seconds to the tenant it started as."""
+        entry = self._started.pop(task_id, None)
+        if entry is None:
+            return
+        began, tenant, gpus = entry
+        load = self._load[tenant]
+        load[0] -= 1
+        load[1] -= gpus
+        if load[0] == 0:
+            del self._load[tenant]
+        if gpus and now > began:
+            self.usage = self.usage.record(tenant, gpus * (now - began), now)
 
     def order(self, queue: deque[TaskRequest], tenant_of: Callable[[str], tuple[str, int]],
-              running: Iterable[TaskRequest], now: float) -> deque[TaskRequest]:
+              now: float) -> deque[TaskRequest]:
         """``queue`` in the order to try it; ``tenant_of`` maps a kernel to its
-        (tenant, tier), ``running`` are the cells running now (read only when
-        tenants compete, so a one-tenant queue costs one pass over itself)."""
+        (tenant, tier). A one-tenant queue costs one pass over itself."""
         if len(queue) < 2:
             return queue
         groups = {tenant_of(t.kernel_id) for t in queue}
@@ -56,12 +70,8 @@ class FairShare:
             return queue
         tenants = {tenant: Tenant(tenant, self.weights.get(tenant, 1.0))
                    for tenant, _ in groups}
-        load: dict[str, RunningLoad] = {}
-        for task in running:
-            tenant = tenant_of(task.kernel_id)[0]
-            if tenant in tenants:
-                old = load.get(tenant, RunningLoad())
-                load[tenant] = RunningLoad(old.items + 1, old.gpus + task.gpus)
+        load = {tenant: RunningLoad(*self._load[tenant])
+                for tenant in tenants if tenant in self._load}
         works = [QueuedWork(t.id, *tenant_of(t.kernel_id), t.gpus,
                             self._submitted.get(t.id, now), False) for t in queue]
         by_id = {t.id: t for t in queue}

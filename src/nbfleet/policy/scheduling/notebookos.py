@@ -28,6 +28,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable
 
 from nbfleet.model.cluster import Host
 from nbfleet.policy.scheduling.base import FleetPolicy, KernelState, fits_shape
@@ -93,13 +94,19 @@ class NotebookOS(FleetPolicy):
                 return [started]
         return self.migrate_and_start(task, kernel)
 
+    def fleet_wide_key(self, task: TaskRequest, kernel: KernelState) -> Hashable:
+        """A task starts on one of its replicas or, by migration, on any other host
+        that fits: when it cannot, no host has room for that spec."""
+        return self.task_spec(task, kernel), kernel.spec
+
     def migrate_and_start(self, task: TaskRequest,
                           kernel: KernelState) -> list[Decision] | None:
         spec = self.task_spec(task, kernel)
+        # The counts first: ``fits_shape`` looks at every GPU of the host.
         targets = [h for h in self.hosts.values()
-                   if h.id not in kernel.hosts and fits_shape(h, kernel.spec)
-                   and len(h.free_gpus()) >= spec.gpus]
-        targets.sort(key=lambda h: (self.warm[h.id] == 0, -len(h.free_gpus()),
+                   if len(h.gpus) - h.committed_gpus >= spec.gpus
+                   and h.id not in kernel.hosts and fits_shape(h, kernel.spec)]
+        targets.sort(key=lambda h: (self.warm[h.id] == 0, h.committed_gpus - len(h.gpus),
                                     self._sr_after(h, 0), h.id))
         for target in targets:
             warm = self.warm[target.id] > 0
