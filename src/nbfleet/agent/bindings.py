@@ -35,6 +35,8 @@ KERNEL_LIMIT = 10_000
 PENDING_LIMIT = 100_000
 #: Task ids per report (``ReleasedCells`` accepts up to 10 000).
 BATCH_LIMIT = 1000
+#: How long a release waits for others to share its report (see ``drain_forever``).
+GATHER_S = 0.25
 BACKOFF_START_S = 0.5
 BACKOFF_MAX_S = 30.0
 
@@ -172,12 +174,18 @@ class ReleaseQueue:
             for task_id in batch:
                 self._pending.pop(task_id, None)
 
-    async def drain_forever(self, send: Callable[[list[str]], Awaitable[None]]) -> None:
+    async def drain_forever(self, send: Callable[[list[str]], Awaitable[None]],
+                            gather_s: float = GATHER_S) -> None:
+        """``gather_s``: how long the first release waits for others to share its
+        call. The gateway releases a cell at its reply already; this report is for
+        the cells whose reply it never saw, so a short wait costs nothing and
+        saves a call per cell."""
         delay = BACKOFF_START_S
         while True:
             if not self._pending:
                 self._wake.clear()
                 await self._wake.wait()
+                await asyncio.sleep(gather_s)
             try:
                 await self.send_once(send)
             except asyncio.CancelledError:

@@ -33,6 +33,7 @@ from typing import Any
 
 from sqlalchemy import select
 
+from nbfleet.control.fleet.ledger_batch import LedgerBatcher
 from nbfleet.db.credit_tables import CreditHold
 from nbfleet.db.engine import Database
 from nbfleet.db.tables import Workspace
@@ -95,6 +96,10 @@ class CellMeter:
     _cells: dict[str, _Meter] = field(default_factory=dict)
     _kernels: dict[str, _Meter] = field(default_factory=dict)
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        #: Background reservations and every settle, written in batches.
+        self.batch = LedgerBatcher(self.db, METER)
 
     # --------------------------------------------------------------- cells
     async def admit(self, task_id: str, workspace_id: str, gpu_type: str, gpus: int,
@@ -188,6 +193,7 @@ class CellMeter:
     async def aclose(self) -> None:
         for task in list(self._tasks):
             task.cancel()
+        await self.batch.aclose()
 
     # ---------------------------------------------------------------- ledger
     def _advance(self, meter: _Meter) -> None:
@@ -201,7 +207,8 @@ class CellMeter:
             return math.ceil(rate * STANDBY_SHARE)
         return rate
 
-    async def _reserve(self, meter: _Meter, workspace_id: str, gpu_type: str) -> str | None:
+    async def _reserve(self, meter: _Meter, workspace_id: str, gpu_type: str,
+                       batched: bool = False) -> str | None:
         tenant = await self._tenant(workspace_id)
         if tenant is None:
             return "the workspace is gone"
@@ -210,7 +217,8 @@ class CellMeter:
                                     tenant.user_id, gpu_type, rate,
                                     hold_amount(CELL_HOLD_S, max(1, meter.gpus), rate), LEASE_S)
         try:
-            meter.hold_id = await asyncio.to_thread(self._hold, request)
+            meter.hold_id = (await self.batch.reserve(request) if batched
+                             else await asyncio.to_thread(self._hold, request))
         except PaymentRequired as refused:
             reason = f"no credit for this cell: {refused.detail}"
             self._refused[workspace_id] = (reason, self.clock() + REFUSAL_MEMORY_S)
@@ -222,7 +230,7 @@ class CellMeter:
 
     async def _reserve_later(self, meter: _Meter, workspace_id: str, gpu_type: str,
                              on_refused: Callable[[str], None]) -> None:
-        reason = await self._reserve(meter, workspace_id, gpu_type)
+        reason = await self._reserve(meter, workspace_id, gpu_type, batched=True)
         if reason is not None:
             on_refused(reason)
 
@@ -266,22 +274,7 @@ class CellMeter:
             await asyncio.sleep(0.1)
         if meter.hold_id is None:
             return
-        hold_id, gpu_ms, seq = meter.hold_id, int(meter.gpu_ms), meter.seq + 1
-
-        def settle() -> None:
-            with self.db.transaction() as session:
-                now = self.db.now(session)
-                if gpu_ms:
-                    final = metering.UsageReport(hold_id, seq, gpu_ms)
-                    (result,) = metering.report_batch(session, [final], METER, now,
-                                                      lock_buckets=True)
-                    if result.status == metering.NEEDS_EXTENSION:
-                        metering.report_with_extension(session, final, METER, now)
-                holds.settle(session, hold_id, "finished", METER, now)
-        try:
-            await asyncio.to_thread(settle)
-        except DomainError as exc:
-            log.warning("settling %s failed: %s", meter.work_id, exc.detail)
+        self.batch.settle(meter.hold_id, int(meter.gpu_ms), meter.seq + 1, meter.work_id)
 
     def _apply(self, reports: list[metering.UsageReport]) -> None:
         """One transaction for the reports that fit their holds; one each for those
