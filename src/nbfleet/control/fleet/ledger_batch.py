@@ -23,7 +23,7 @@ from nbfleet.model.errors import DomainError
 log = logging.getLogger(__name__)
 
 #: How long the first queued item waits for others to share its transaction.
-WINDOW_S = 0.02
+WINDOW_S = 0.1
 #: At most this many in one transaction.
 MAX_BATCH = 256
 
