@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 from jupyter_client.asynchronous.client import AsyncKernelClient
@@ -33,6 +34,9 @@ START_TIMEOUT_S = 120.0
 
 stderr = Console(stderr=True)
 
+#: The process of each running :func:`nbfleet_up`, by its URL.
+SERVER_PIDS: dict[str, int] = {}
+
 
 def emit(bench: str, figure: str, value: float) -> None:
     """One figure as one JSON line on stdout."""
@@ -40,8 +44,13 @@ def emit(bench: str, figure: str, value: float) -> None:
                      separators=(",", ":")), flush=True)
 
 
+def percentile(values: list[float], q: int) -> float:
+    """The ``q``-th percentile (1..99), interpolated between the samples."""
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
+
+
 def p95(values: list[float]) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[94]
+    return percentile(values, 95)
 
 
 def free_port() -> int:
@@ -73,9 +82,17 @@ def nbfleet_up(home: Path, *args: str) -> Iterator[str]:
         except BaseException:
             stderr.print(f"nbfleet up log ({log}):\n{_tail(log)}", markup=False)
             raise
+        SERVER_PIDS[url] = proc.pid
         yield url
     finally:
+        SERVER_PIDS.pop(url, None)
         _stop(proc)
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU so far of process ``pid`` alone, all its threads (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def wait_for(ready: Callable[[], bool], proc: subprocess.Popen[bytes], what: str) -> None:
@@ -147,19 +164,27 @@ async def gateway_kernel(url: str, home: Path) -> tuple[KernelSocket, str]:
     return sock, kernel_id
 
 
-async def workspace_kernel(url: str, home: Path,
-                           name: str = "bench") -> tuple[KernelSocket, str, str, str]:
+def admin_headers(home: Path) -> dict[str, str]:
+    """The ``Authorization`` header of the platform's admin (its token is in the home)."""
+    return {"Authorization": f"Bearer {(home / 'admin-token').read_text().strip()}"}
+
+
+async def workspace_kernel(url: str, home: Path, name: str = "bench",
+                           resources: dict[str, Any] | None = None
+                           ) -> tuple[KernelSocket, str, str, str]:
     """Like :func:`gateway_kernel`, also returning the workspace id and the user's token;
-    ``name`` names the user (a tenant of its own) and the workspace."""
-    admin_token = (home / "admin-token").read_text().strip()
+    ``name`` names the user (a tenant of its own: org ``name``, project ``bench``) and
+    the workspace; ``resources`` is what the workspace asks for (e.g. GPUs)."""
     async with httpx.AsyncClient(base_url=url, timeout=60.0) as http:
-        user = await http.post("/v1/admin/users",
-                               headers={"Authorization": f"Bearer {admin_token}"},
+        user = await http.post("/v1/admin/users", headers=admin_headers(home),
                                json={"name": name, "org": name, "project": "bench"})
         user.raise_for_status()
         token: str = user.json()["token"]
         http.headers["Authorization"] = f"Bearer {token}"
-        created = await http.post("/v1/workspaces", json={"name": name})
+        body: dict[str, Any] = {"name": name}
+        if resources is not None:
+            body["resources"] = resources
+        created = await http.post("/v1/workspaces", json=body)
         created.raise_for_status()
         workspace = created.json()["id"]
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -175,6 +200,17 @@ async def workspace_kernel(url: str, home: Path,
     ws_url = (url.replace("http", "ws", 1)
               + f"/v1/workspaces/{workspace}/api/kernels/{kernel_id}/channels")
     return await KernelSocket.connect(ws_url, token), kernel_id, workspace, token
+
+
+async def grant_credits(url: str, home: Path, org: str, micro_credits: int,
+                        project: str = "bench") -> None:
+    """Credit for the org's project (GPU cells and jobs are paid for), as an admin."""
+    async with httpx.AsyncClient(base_url=url, timeout=60.0) as http:
+        granted = await http.post(
+            "/v1/credits/grants",
+            headers={**admin_headers(home), "Idempotency-Key": str(uuid.uuid4())},
+            json={"org": org, "project": project, "kind": "purchase", "amount": micro_credits})
+        granted.raise_for_status()
 
 
 @contextlib.asynccontextmanager
