@@ -37,7 +37,8 @@ from tests.support.cluster import Cluster, token_of
 from tests.support.credit_api import CREDIT, grant, new_tenant
 from tests.support.equivalence import GPU_TYPE, Step, simulate, small_trace
 
-pytestmark = pytest.mark.timeout(900)
+#: Minutes long, and the database is not what it tests: once, on SQLite, is enough.
+pytestmark = [pytest.mark.timeout(900), pytest.mark.db_agnostic]
 
 STATIC_HOSTS = 4
 HOST_GPUS = f"1x{GPU_TYPE}"
