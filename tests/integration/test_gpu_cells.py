@@ -262,7 +262,7 @@ def test_kill_9_of_the_control_plane_neither_loses_nor_doubles_a_gpu(tmp_path: P
             async def hold_the_gpu() -> None:
                 sock = await connect(cluster, first, ws1, k1)
                 request = sock.message("execute_request", {
-                    "code": "import time; time.sleep(6)", "silent": False}, "shell")
+                    "code": "import time; time.sleep(20)", "silent": False}, "shell")
                 await sock.send(request)
                 await asyncio.to_thread(wait_until, lambda: fleet(cluster)["running"], 20, 0.05,
                                         "the cell running")

@@ -227,7 +227,9 @@ def test_resume_requested_twice_gives_one_runtime(warm_cluster: Cluster) -> None
 # ------------------------------------------------------------------ cold cluster
 @pytest.fixture(scope="module")
 def cold_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    args = ("--suspend-busy-timeout", "2", "--cull-interval", "0.5", "--idle-suspend", "0")
+    # No warm kernel anywhere: the agent's pool is off, and so is the GPU scheduler's.
+    args = ("--suspend-busy-timeout", "2", "--cull-interval", "0.5", "--idle-suspend", "0",
+            "--prewarm", "0")
     with running_cluster(tmp_path_factory.mktemp("cold"), control_args=args) as cluster:
         yield cluster
 

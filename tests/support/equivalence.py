@@ -4,7 +4,7 @@ The simulator replays a trace through a policy and records, in order, every call
 it makes into the policy (the *events*: a host joined, a session opened, a cell
 submitted or finished, warm containers ready, a session closed) with the
 decisions each call answered. The live side then performs the same events, in
-the same order, on the real platform (``tests/integration/test_sim_live.py``)
+the same order, on the real platform (``tests/e2e/test_sim_live.py``)
 and compares its scheduler's decision log with these.
 """
 

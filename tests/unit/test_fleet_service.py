@@ -12,11 +12,11 @@ from pydantic import ValidationError
 
 from nbfleet.agent.warmpool import WarmPool
 from nbfleet.control.fleet.scheduler import LiveScheduler
-from nbfleet.control.fleet.service import FleetService
+from nbfleet.control.fleet.service import FleetService, _Effects
 from nbfleet.control.fleet.sizing import FleetSettings, sized_policy
 from nbfleet.model.cluster import ResourceSpec
 from nbfleet.model.resources import GpuGroup, HostInventory
-from nbfleet.protocol.agent import ResizeWarmPool
+from nbfleet.protocol.agent import ResizeWarmPool, WarmPoolState
 from nbfleet.protocol.gpu import ActiveBinding, AgentBindings, CellBinding
 
 ONE_A100 = HostInventory(8000, 64000, (GpuGroup(1, "A100-80GB", 80),))
@@ -31,13 +31,19 @@ class Clock:
 
 
 class Agents:
-    """An agent's bindings report, as ``AgentClient.bindings`` returns it."""
+    """An agent's bindings report and warm pool, as ``AgentClient`` returns them."""
 
     def __init__(self) -> None:
         self.bound: list[ActiveBinding] = []
+        self.pool = WarmPoolState(target=0, ready=0)
 
     async def bindings(self, url: str) -> AgentBindings:
         return AgentBindings(bindings=self.bound)
+
+    async def warm_pool(self, url: str, target: int | None = None) -> WarmPoolState:
+        if target is not None:  # the agent's kernels start at once here
+            self.pool = WarmPoolState(target=target, ready=target)
+        return self.pool
 
 
 def service() -> tuple[FleetService, LiveScheduler, Clock, Agents]:
@@ -64,6 +70,22 @@ async def test_a_cell_still_on_its_way_to_its_kernel_keeps_its_gpus() -> None:
     assert await fleet.reap_unreported() == 0, "reported by its agent: still running"
     agents.bound = []
     assert await fleet.reap_unreported() == 1 and "k/1" not in scheduler.running
+
+
+async def test_a_rebuilt_models_hosts_get_their_warm_containers() -> None:
+    """A rebuild asks for each host's warm pool before its scheduler is the
+    service's: the containers must still be counted ready when they are."""
+    agents = Agents()
+    fleet = FleetService(SimpleNamespace(agents=agents))  # type: ignore[arg-type]
+    fleet._host_urls = {"h0": "http://h0"}
+    effects = _Effects(fleet)
+    policy = sized_policy(FleetSettings(policy="notebookos"), [ONE_A100], 1)
+    scheduler = effects.scheduler = LiveScheduler(policy, effects=effects)
+    scheduler.rebuild([("h0", ONE_A100)], [], [])
+    fleet.scheduler = scheduler
+    await asyncio.gather(*fleet._prewarms)
+    rebuilt = scheduler.policy
+    assert (rebuilt.warm["h0"], rebuilt.warming["h0"], agents.pool.target) == (1, 0, 1)
 
 
 async def test_a_workspace_waits_as_its_project_with_its_weight() -> None:

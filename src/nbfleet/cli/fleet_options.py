@@ -37,6 +37,10 @@ AUTOSCALE_INTERVAL_OPT = typer.Option(
 SCALE_IN_DELAY_OPT = typer.Option(
     600.0, "--scale-in-delay", min=0, max=86400,
     help="Seconds after a scale-out before an idle host may be scaled in")
+PREWARM_OPT = typer.Option(
+    -1, "--prewarm", min=-1, max=64,
+    help="Warm kernels the GPU scheduler keeps on each host, through the agents' warm "
+         "pools (-1: the policy's own, 1 for notebookos, nbfleet and lcp; 0: none)")
 HOST_AGENT_ARGS_OPT = typer.Option(
     "", "--host-agent-args", metavar="ARGS",
     help="Extra `nbfleet agent` options for the hosts the autoscaler starts on this "
@@ -45,7 +49,7 @@ HOST_AGENT_ARGS_OPT = typer.Option(
 
 def fleet_options(policy: str, host_gpus: str, max_hosts: int, replicas: int,
                   meter_interval: float, autoscale_interval: float, scale_in_delay: float,
-                  host_agent_args: str, console: Console) -> dict[str, Any]:
+                  prewarm: int, host_agent_args: str, console: Console) -> dict[str, Any]:
     """ControlConfig fields; exits with a message (status 2) if one is invalid."""
     if policy not in POLICIES:
         console.print(f"[red]error:[/red] --policy must be one of {', '.join(POLICIES)}")
@@ -69,6 +73,6 @@ def fleet_options(policy: str, host_gpus: str, max_hosts: int, replicas: int,
         raise typer.Exit(2)
     fleet = FleetSettings(policy=policy, host_gpus=host_gpus, max_hosts=max_hosts,
                           replicas=replicas, autoscale_interval_s=autoscale_interval,
-                          scale_in_delay_s=scale_in_delay)
+                          scale_in_delay_s=scale_in_delay, prewarm=prewarm)
     return {"fleet": fleet, "meter_interval_s": meter_interval,
             "host_agent_args": host_agent_args}

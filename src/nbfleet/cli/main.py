@@ -16,6 +16,7 @@ from nbfleet.cli.fleet_options import (
     MAX_HOSTS_OPT,
     METER_INTERVAL_OPT,
     POLICY_OPT,
+    PREWARM_OPT,
     REPLICAS_OPT,
     SCALE_IN_DELAY_OPT,
     fleet_options,
@@ -157,6 +158,7 @@ def up(
     meter_interval: float = METER_INTERVAL_OPT,
     autoscale_interval: float = AUTOSCALE_INTERVAL_OPT,
     scale_in_delay: float = SCALE_IN_DELAY_OPT,
+    prewarm: int = PREWARM_OPT,
     host_agent_args: str = HOST_AGENT_ARGS_OPT,
     log_level: str = LOG_OPT,
 ) -> None:
@@ -179,8 +181,8 @@ def up(
                                 job_result_retention, job_retry_backoff,
                                 job_dispatch_interval),
                  **fleet_options(policy, host_gpus, max_hosts, replicas, meter_interval,
-                                 autoscale_interval, scale_in_delay, host_agent_args,
-                                 console)}
+                                 autoscale_interval, scale_in_delay, prewarm,
+                                 host_agent_args, console)}
     control_sock, agent_sock = listen(host, port), listen("127.0.0.1", "0")
     state = home_dir(home)
     private_home(state)
@@ -235,6 +237,7 @@ def control(
     meter_interval: float = METER_INTERVAL_OPT,
     autoscale_interval: float = AUTOSCALE_INTERVAL_OPT,
     scale_in_delay: float = SCALE_IN_DELAY_OPT,
+    prewarm: int = PREWARM_OPT,
     host_agent_args: str = HOST_AGENT_ARGS_OPT,
     log_level: str = LOG_OPT,
 ) -> None:
@@ -260,8 +263,8 @@ def control(
                                 job_result_retention, job_retry_backoff,
                                 job_dispatch_interval),
                  **fleet_options(policy, host_gpus, max_hosts, replicas, meter_interval,
-                                 autoscale_interval, scale_in_delay, host_agent_args,
-                                 console)}
+                                 autoscale_interval, scale_in_delay, prewarm,
+                                 host_agent_args, console)}
     if workers > 1 and not (db or "").startswith("postgresql"):
         console.print("[red]error:[/red] --workers above 1 needs PostgreSQL (--db "
                       "postgresql://...): SQLite has one writer")

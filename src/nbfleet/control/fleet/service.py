@@ -51,6 +51,7 @@ REAP_EVERY_S = 10.0
 #: host then keeps counting those containers as warming, and is not asked again).
 PREWARM_TIMEOUT_S = 300.0
 
+
 @dataclass(frozen=True, slots=True)
 class GpuPlacement:
     """The scheduler's answer for a GPU workspace that needs a host: its hosts, or
@@ -104,7 +105,8 @@ class FleetService:
         if self.meter is not None:
             await self.meter.aclose()
         self.meter = CellMeter(self.platform.db, self.platform.jobs.prices, policy.billing)
-        scheduler = LiveScheduler(policy, effects=_Effects(self))
+        effects = _Effects(self)
+        scheduler = effects.scheduler = LiveScheduler(policy, effects=effects)
         if self.scheduler is not None:  # one decision log across rebuilds
             scheduler.log, scheduler.logged = self.scheduler.log, self.scheduler.logged
         refused = scheduler.rebuild([(h, inv) for h, inv, _ in fleet], kernels, cells)
@@ -221,13 +223,11 @@ class FleetService:
             scheduler.policy.config = replace(
                 config, autoscaler=replace(config.autoscaler, min_hosts=wanted))
 
-    def prewarm(self, host_id: str, count: int) -> None:
-        """The policy wants ``count`` more warm containers on the host: grow the
-        agent's warm pool to the policy's figure for it, and tell the policy when
-        they are ready (``prewarmed``), as the simulator does after a start."""
-        scheduler = self.scheduler
-        if scheduler is None:
-            return
+    def prewarm(self, scheduler: LiveScheduler, host_id: str, count: int) -> None:
+        """``scheduler``'s policy wants ``count`` more warm containers on the host:
+        grow the agent's warm pool to the policy's figure for it, and tell the
+        policy when they are ready (``prewarmed``), as the simulator does after a
+        start. (A rebuild asks before its scheduler is the service's.)"""
         task = asyncio.get_running_loop().create_task(self._prewarm(scheduler, host_id, count))
         self._prewarms.add(task)
         task.add_done_callback(self._prewarms.discard)
@@ -323,6 +323,8 @@ class _Effects:
 
     def __init__(self, service: FleetService) -> None:
         self.service = service
+        #: The scheduler these effects serve (set once it exists).
+        self.scheduler: LiveScheduler | None = None
 
     def cell_ended(self, task_id: str) -> None:
         if self.service.meter is not None:
@@ -339,7 +341,8 @@ class _Effects:
         self.service.scaler.scale_in(host_ids)
 
     def prewarm(self, host_id: str, count: int) -> None:
-        self.service.prewarm(host_id, count)
+        if self.scheduler is not None:
+            self.service.prewarm(self.scheduler, host_id, count)
 
     def placements_changed(self) -> None:
         self.service.platform.wake()

@@ -27,6 +27,8 @@ class FleetSettings:
     replicas: int = 0
     autoscale_interval_s: float = 60.0
     scale_in_delay_s: float = 600.0
+    #: Warm kernels kept on each host (-1: the policy's own).
+    prewarm: int = -1
 
 
 def policy_config(settings: FleetSettings, fleet: Sequence[HostInventory],
@@ -50,8 +52,9 @@ def policy_config(settings: FleetSettings, fleet: Sequence[HostInventory],
                          min_hosts=min(static_hosts, most_hosts),
                          interval_s=settings.autoscale_interval_s,
                          scale_in_cooldown_s=settings.scale_in_delay_s)
+    prewarm = base.prewarm_per_host if settings.prewarm < 0 else settings.prewarm
     return replace(base, replicas=replicas, idle_replicas=idle, autoscaler=autoscaler,
-                   host_shape=shape)
+                   host_shape=shape, prewarm_per_host=prewarm)
 
 
 def sized_policy(settings: FleetSettings, fleet: Sequence[HostInventory],
