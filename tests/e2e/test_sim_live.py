@@ -61,7 +61,8 @@ def test_the_live_platform_decides_exactly_as_the_simulator(tmp_path: Path, poli
             cluster.start_control(args=(
                 "--policy", policy, "--max-hosts", str(STATIC_HOSTS + 1),
                 "--host-gpus", HOST_GPUS, "--autoscale-interval", NO_TICKS,
-                "--scale-in-delay", NO_TICKS, "--host-agent-args", "--workspace-disk 0"))
+                "--scale-in-delay", NO_TICKS, "--host-agent-args", "--workspace-disk 0",
+                "--prewarm", "-1"))  # the policy's own, as the simulator's
             names = [f"host-{n:05d}" for n in range(1, STATIC_HOSTS + 1)]
             for name in names:  # named as the simulator names its hosts
                 (tmp_path / name).mkdir()

@@ -108,6 +108,10 @@ class Cluster:
 
     def start_control(self, env: dict[str, str] | None = None,
                       args: tuple[str, ...] = ()) -> None:
+        """The GPU scheduler keeps no warm kernels unless asked (``--prewarm``), as
+        agents start without a warm pool: each warm kernel costs a kernel start."""
+        if "--prewarm" not in args:
+            args = (*args, "--prewarm", "0")
         self.control = self._spawn("control", [
             "control", "--db", self.db_url, "--blobs", str(self.home / "blobs"),
             "--port", str(self.port), "--secret-file", str(self.secret_file),
