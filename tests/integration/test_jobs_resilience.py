@@ -276,7 +276,11 @@ def test_500_mixed_jobs_all_end_as_their_behaviour_says(tmp_path: Path) -> None:
 # ----------------------------------------------------------- kill -9 agent
 
 def test_kill_9_of_the_agent_while_jobs_run(tmp_path: Path) -> None:
-    with job_cluster(tmp_path, gpus="4xA100-80GB") as cluster:
+    # Until the dead agent's heartbeat lapses, starts sent to it fail at once and
+    # count as infrastructure failures (6 dead-letter a job): with the suite's
+    # 0.2 s backoff they could all fall inside a slow restart of the agent.
+    with job_cluster(tmp_path, gpus="4xA100-80GB",
+                     control_args=("--job-retry-backoff", "2")) as cluster:
         tenant = funded_tenant(cluster)
         client = tenant.client
         # max_attempts=1: a lost attempt must not use it up.
