@@ -31,6 +31,31 @@ def host_of(client: httpx.Client, workspace_id: str) -> str:
     return str(client.get(f"/v1/workspaces/{workspace_id}").json()["host_id"])
 
 
+Kernel = tuple[httpx.Client, str, str]  # (its user, workspace id, kernel id)
+
+
+async def while_another_runs(cluster: Cluster, busy: Kernel, seconds: int, other: Kernel,
+                             code: str) -> CellResult:
+    """Run ``code`` on ``other`` while ``busy`` runs a ``seconds``-long cell that
+    holds its GPU; the result of ``code``."""
+    (busy_user, busy_ws, busy_kernel), (user, ws, kernel) = busy, other
+    holder = await KernelSocket.connect(cluster.channels_url(busy_ws, busy_kernel),
+                                        token_of(busy_user))
+    sock = await KernelSocket.connect(cluster.channels_url(ws, kernel), token_of(user))
+    try:
+        long_cell = holder.message("execute_request", {
+            "code": f"import time; time.sleep({seconds})", "silent": False}, "shell")
+        await holder.send(long_cell)
+        await asyncio.to_thread(wait_until, lambda: fleet(cluster)["running"], 30, 0.05,
+                                "the long cell running")
+        result = await sock.execute(code, timeout=180)
+        await holder.collect(long_cell["header"]["msg_id"], timeout=60)
+        return result
+    finally:
+        await sock.close()
+        await holder.close()
+
+
 def test_a_cell_whose_gpus_are_elsewhere_moves_its_kernel_there_with_its_state(
         tmp_path: Path) -> None:
     """``batch`` binds each cell on the best-fitting host (the lowest id when both
@@ -57,27 +82,10 @@ def test_a_cell_whose_gpus_are_elsewhere_moves_its_kernel_there_with_its_state(
             assert host_of(mover, mws) == low
             assert any("moving the kernel" in text for text in notices(first))
 
-            async def while_busy() -> CellResult:
-                # The other kernel holds ``low``'s GPU; the mover's next cell gets
-                # ``high``'s and moves back there with ``x``.
-                busy = await KernelSocket.connect(cluster.channels_url(sws, sk),
-                                                  token_of(stayer))
-                sock = await KernelSocket.connect(cluster.channels_url(mws, mk),
-                                                  token_of(mover))
-                try:
-                    long_cell = busy.message("execute_request", {
-                        "code": "import time; time.sleep(15)", "silent": False}, "shell")
-                    await busy.send(long_cell)
-                    await asyncio.to_thread(wait_until, lambda: fleet(cluster)["running"], 30,
-                                            0.05, "the long cell running")
-                    result = await sock.execute("x += 1\nprint(x)\n" + WHERE, timeout=120)
-                    await busy.collect(long_cell["header"]["msg_id"], timeout=60)
-                    return result
-                finally:
-                    await sock.close()
-                    await busy.close()
-
-            moved = asyncio.run(while_busy())
+            # The other kernel holds ``low``'s GPU; the mover's next cell gets
+            # ``high``'s and moves back there with ``x``.
+            moved = asyncio.run(while_another_runs(cluster, (stayer, sws, sk), 15,
+                                                   (mover, mws, mk), "x += 1\nprint(x)\n" + WHERE))
             assert moved.status == "ok", moved.reply
             assert moved.stdout.split() == ["42", "0"]
             assert host_of(mover, mws) == high
@@ -127,25 +135,8 @@ def test_the_autoscaler_starts_a_host_for_waiting_work_and_stops_it_after(
             assert host_of(second, ws2) == original, "subscribed, not committed: one host"
             assert agent_pids(cluster.home) == [], "no demand yet: no host added"
 
-            async def both_at_once() -> CellResult:
-                busy = await KernelSocket.connect(cluster.channels_url(ws1, k1),
-                                                  token_of(first))
-                sock = await KernelSocket.connect(cluster.channels_url(ws2, k2),
-                                                  token_of(second))
-                try:
-                    long_cell = busy.message("execute_request", {
-                        "code": "import time; time.sleep(20)", "silent": False}, "shell")
-                    await busy.send(long_cell)
-                    await asyncio.to_thread(wait_until, lambda: fleet(cluster)["running"], 30,
-                                            0.05, "the long cell running")
-                    result = await sock.execute("y = 7\n" + WHERE, timeout=180)
-                    await busy.collect(long_cell["header"]["msg_id"], timeout=60)
-                    return result
-                finally:
-                    await sock.close()
-                    await busy.close()
-
-            waited = asyncio.run(both_at_once())
+            waited = asyncio.run(while_another_runs(cluster, (first, ws1, k1), 20,
+                                                    (second, ws2, k2), "y = 7\n" + WHERE))
             assert waited.status == "ok", waited.reply
             assert waited.stdout.strip() == "0"
             added = host_of(second, ws2)
