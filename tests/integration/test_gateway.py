@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from nbfleet.sdk.kernel_socket import KernelSocket
-from tests.support.cluster import Cluster, create_running, start_kernel, token_of, wait_state
+from tests.support.cluster import Cluster, create_running, start_kernel, token_of
 
 JUPYTER_TIME = "%Y-%m-%dT%H:%M:%S.%fZ"
 
@@ -131,16 +131,15 @@ def test_v1_subprotocol_is_negotiated_end_to_end(live_kernel: LiveKernel) -> Non
     assert asyncio.run(scenario()) == (True, "ok\n", False, "ok\n")
 
 
-def test_kernels_need_a_running_workspace(shared_cluster: Cluster) -> None:
+def test_no_kernel_starts_in_a_workspace_being_deleted(shared_cluster: Cluster) -> None:
+    """A suspended workspace is resumed by a kernel start (test_kernel_identity); a
+    deleted one is not brought back by it."""
     client = shared_cluster.new_user()
     ws = create_running(client)
-    client.post(f"/v1/workspaces/{ws}/suspend")
-    wait_state(client, ws, "suspended")
+    client.delete(f"/v1/workspaces/{ws}")
     refused = client.post(f"/v1/workspaces/{ws}/api/kernels", json={})
-    assert refused.status_code == 409
-    assert refused.json()["current_state"] == "suspended"
-    assert "resume" in refused.json()["detail"]
-    assert client.get(f"/v1/workspaces/{ws}/api/kernels").json() == []
+    assert refused.status_code == 404
+    assert client.get(f"/v1/workspaces/{ws}").json()["desired_state"] == "deleted"
 
 
 def test_bad_frames_do_not_break_the_socket(live_kernel: LiveKernel) -> None:

@@ -66,6 +66,7 @@ ORDERS: list[BaseModel] = [
     SuspendRuntime(generation=2, on_busy="interrupt", busy_timeout_s=5),
     ReleaseRuntime(generation=4, sync=False),
     AddKernel(generation=2, id="k3", name="python3"),
+    AddKernel(generation=2, id="k4", env={"KERNEL_USERNAME": "ada"}),
     StartJob.model_validate(START),
     StopJob(attempt=2, reason="preempt", grace_s=1.0),
     Registration(id="host_1", url="http://h:1", boot_id="boot_1",
@@ -214,6 +215,18 @@ async def test_an_order_outside_the_contract_is_never_sent(client: AgentClient) 
     assert seen == []
 
 
+async def test_the_client_sends_a_kernels_variables(client: AgentClient) -> None:
+    seen = answering(client, lambda _: httpx.Response(201, json=KERNEL))
+    model = await client.add_kernel(BASE, "ws_1", 2, "k1", "python3",
+                                    env={"KERNEL_USERNAME": "ada"})
+    assert model.id == "k1"
+    await client.add_kernel(BASE, "ws_1", 2, "k2", "python3")  # none: an empty object
+    assert [json.loads(r.content) for r in seen] == [
+        {"id": "k1", "name": "python3", "generation": 2, "env": {"KERNEL_USERNAME": "ada"}},
+        {"id": "k2", "name": "python3", "generation": 2, "env": {}}]
+    assert AddKernel.model_validate({"id": "k", "generation": 1}).env == {}  # older senders
+
+
 # --------------------------------------------------------- the agent's app
 @pytest.fixture
 async def agent(tmp_path: Path) -> AsyncIterator[tuple[httpx.AsyncClient, SimpleNamespace]]:
@@ -221,14 +234,19 @@ async def agent(tmp_path: Path) -> AsyncIterator[tuple[httpx.AsyncClient, Simple
     service = AgentService(AgentConfig(control_url="http://127.0.0.1:9", secret=SECRET,
                                        state_dir=str(tmp_path / "agent"), sandbox="none"))
     kernel = SimpleNamespace(model=lambda: KernelModel.model_validate(KERNEL))
-    calls = SimpleNamespace(ensure=[])
+    calls = SimpleNamespace(ensure=[], add_kernel=[])
 
     async def ensure(*args: Any) -> SimpleNamespace:
         calls.ensure.append(args)
         return SimpleNamespace(runtime=SimpleNamespace(kernels={"k1": kernel}),
                                restore={"k1": REPORT}, packages={})
 
-    service.runtimes = SimpleNamespace(ensure=ensure)  # a stand-in: only ensure is called
+    async def add_kernel(*args: Any, **kwargs: Any) -> SimpleNamespace:
+        calls.add_kernel.append((args, kwargs))
+        return kernel
+
+    # A stand-in: only ensure and add_kernel are called.
+    service.runtimes = SimpleNamespace(ensure=ensure, add_kernel=add_kernel)
     transport = httpx.ASGITransport(app=create_agent_app(service))
     async with httpx.AsyncClient(transport=transport, base_url=BASE,
                                  headers={"Authorization": f"Bearer {SECRET}"}) as http:
@@ -266,6 +284,26 @@ async def test_the_agent_answers_a_placement_as_its_runtime_reported_it(
     assert (workspace_id, generation, kernels) == ("ws_1", 2, [("k1", "python3")])
     assert (snapshot, packages, limits, network, gpus) == ({}, None, None, "none", 0)
     assert RuntimePlaced.model_validate(placed.json()).kernels[0].id == "k1"
+
+
+async def test_the_agent_filters_a_kernels_variables_again(
+        agent: tuple[httpx.AsyncClient, SimpleNamespace]) -> None:
+    """Whatever the control plane let through, only KERNEL_* reaches the kernel."""
+    http, calls = agent
+    added = await http.post("/agent/v1/runtimes/ws_1/kernels", json={
+        "id": "k1", "generation": 2, "env": {
+            "KERNEL_USERNAME": "ada", "LD_PRELOAD": "/tmp/evil.so", "PYTHONSTARTUP": "/x.py",
+            "BASH_ENV": "/x.sh", "kernel_x": "1", "KERNEL_BIG": "x" * 1_000_000,
+            **{f"KERNEL_V{i}": "v" for i in range(1000)}}})
+    assert added.status_code == 201
+    [(args, kwargs)] = calls.add_kernel
+    assert args == ("ws_1", 2, "k1", "python3")
+    env = kwargs["env"]
+    assert env["KERNEL_USERNAME"] == "ada" and len(env) == 32
+    assert all(name.startswith("KERNEL_") and name != "KERNEL_BIG" for name in env)
+    refused = await http.post("/agent/v1/runtimes/ws_1/kernels",
+                              json={"id": "k1", "generation": 2, "env": {"KERNEL_X": 1}})
+    assert refused.status_code == 422 and len(calls.add_kernel) == 1
 
 
 # -------------------------------------------------- the agent's reports

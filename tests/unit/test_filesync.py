@@ -3,11 +3,15 @@ API accepts, and the agent's half-written files never synced back."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 
 from nbfleet.agent import filesync
+from nbfleet.agent.livesync import Settling
+from nbfleet.storage.blobs import BlobStore
+from nbfleet.storage.files import WorkspaceFiles
 
 
 @pytest.mark.no_db
@@ -24,3 +28,104 @@ def test_half_written_files_are_not_synced_back(tmp_path: Path) -> None:
     (tmp_path / "kept.txt").write_text("k")
     (tmp_path / f"{filesync.TMP_PREFIX}abc").write_text("partial")
     assert set(filesync.scan(str(tmp_path))) == {"kept.txt"}
+
+
+# ------------------------------------------------ the live runtime's periodic sync
+class CountingFiles(WorkspaceFiles):
+    """A local store that counts what it is asked to write."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(BlobStore(str(root)))
+        self.puts: list[str] = []
+        self.fail = False
+
+    def put(self, workspace_id: str, path: str, data: bytes) -> str:
+        if self.fail:
+            raise OSError("the store is down")
+        self.puts.append(path)
+        return super().put(workspace_id, path, data)
+
+
+def stored(files: WorkspaceFiles) -> dict[str, bytes]:
+    return {b.key: files.get("ws", b.key) for b in files.list("ws")}
+
+
+@pytest.mark.no_db
+def test_sync_paths_uploads_only_what_changed_and_deletes_what_went(tmp_path: Path) -> None:
+    work, files = tmp_path / "work", CountingFiles(tmp_path / "blobs")
+    work.mkdir()
+    (work / "kept.txt").write_text("same")
+    (work / "sub").mkdir()
+    (work / "sub" / "new.txt").write_text("new")
+    (work / "gone.txt").write_text("old")
+    manifest = filesync.sync_back(files, "ws", str(work), {})
+    files.puts.clear()
+    (work / "sub" / "new.txt").write_text("newer!")
+    (work / "gone.txt").unlink()
+    (work / "made.txt").write_text("made")
+    changed = ["gone.txt", "made.txt", "sub/new.txt", "kept.txt"]  # kept.txt: unchanged
+    filesync.sync_paths(files, "ws", str(work), manifest, changed)
+    assert sorted(files.puts) == ["made.txt", "sub/new.txt"]
+    assert stored(files) == {"kept.txt": b"same", "made.txt": b"made", "sub/new.txt": b"newer!"}
+    assert manifest == filesync.scan(str(work))
+
+
+@pytest.mark.no_db
+def test_sync_paths_never_uploads_through_a_planted_link(tmp_path: Path) -> None:
+    work, files = tmp_path / "work", CountingFiles(tmp_path / "blobs")
+    work.mkdir()
+    (work / "notes.txt").write_text("mine")
+    manifest = filesync.sync_back(files, "ws", str(work), {})
+    (work / "notes.txt").unlink()
+    (work / "notes.txt").symlink_to("/etc/passwd")  # swapped for a link to a host file
+    (work / "passwd").symlink_to("/etc/passwd")
+    (work / "etc").symlink_to("/etc")  # a directory link: etc/passwd must not be read
+    filesync.sync_paths(files, "ws", str(work), manifest, ["notes.txt", "passwd", "etc/passwd"])
+    assert stored(files) == {}  # the link is no regular file: notes.txt is gone
+    assert files.puts == ["notes.txt"] and manifest == {}  # (the first sync's put)
+
+
+@pytest.mark.no_db
+def test_sync_paths_deletes_nothing_when_the_working_directory_is_gone(tmp_path: Path) -> None:
+    work, files = tmp_path / "work", CountingFiles(tmp_path / "blobs")
+    work.mkdir()
+    (work / "a.txt").write_text("a")
+    manifest = filesync.sync_back(files, "ws", str(work), {})
+    shutil.rmtree(work)  # a runtime going away, not the kernel deleting its files
+    filesync.sync_paths(files, "ws", str(work), manifest, ["a.txt"])
+    assert stored(files) == {"a.txt": b"a"} and "a.txt" in manifest
+
+
+@pytest.mark.no_db
+def test_sync_paths_keeps_what_it_did_when_the_store_fails(tmp_path: Path) -> None:
+    work, files = tmp_path / "work", CountingFiles(tmp_path / "blobs")
+    work.mkdir()
+    (work / "a.txt").write_text("a")
+    manifest: filesync.Manifest = {}
+    files.fail = True
+    with pytest.raises(OSError, match="down"):
+        filesync.sync_paths(files, "ws", str(work), manifest, ["a.txt"])
+    assert manifest == {}  # not recorded: the next round tries again
+    files.fail = False
+    filesync.sync_paths(files, "ws", str(work), manifest, ["a.txt"])
+    assert stored(files) == {"a.txt": b"a"} and manifest == filesync.scan(str(work))
+
+
+@pytest.mark.no_db
+def test_a_path_is_synced_once_it_stops_changing() -> None:
+    settling = Settling(max_wait_s=10.0)
+    manifest: filesync.Manifest = {"old.txt": (1, 1), "gone.txt": (2, 2)}
+    first = {"old.txt": (1, 1), "new.txt": (5, 100)}
+    assert settling.ready(first, manifest, now=0.0) == []  # seen once: may still be written
+    second = {"old.txt": (1, 1), "new.txt": (9, 200)}  # grew meanwhile: still being written
+    assert settling.ready(second, manifest, now=2.0) == ["gone.txt"]  # gone at both scans
+    assert settling.ready(second, manifest, now=4.0) == ["gone.txt", "new.txt"]
+    manifest = {"old.txt": (1, 1), "new.txt": (9, 200)}  # what a sync records
+    assert settling.ready(second, manifest, now=6.0) == [] and settling.since == {}
+
+
+@pytest.mark.no_db
+def test_a_path_that_never_stops_changing_is_synced_after_the_longest_wait() -> None:
+    settling = Settling(max_wait_s=10.0)
+    readies = [settling.ready({"log.txt": (i, i)}, {}, now=2.0 * i) for i in range(8)]
+    assert readies == [[], [], [], [], [], ["log.txt"], ["log.txt"], ["log.txt"]]

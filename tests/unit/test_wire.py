@@ -73,7 +73,25 @@ def test_client_frames_in_both_protocols_sign_the_same_parts() -> None:
     assert frames[0] == DELIMITER and frames[1] == codec.sign(parts)
 
 
+def test_a_json_frame_without_a_channel_goes_to_shell() -> None:
+    """jupyter_server's gateway kernel client (nbclient, papermill) leaves the channel
+    out; jupyter_server itself takes a missing one as shell."""
+    for message in ({"header": HEADER, "parent_header": {}, "metadata": {},
+                     "content": {"code": "1"}},
+                    {"channel": None, "header": HEADER, "content": {"code": "1"}}):
+        parsed = parse_client_frame(json.dumps(message), None)
+        assert (parsed.channel, parsed.msg_id, parsed.msg_type) == ("shell", "m1",
+                                                                   "execute_request")
+    binary = pack_legacy_binary(json.dumps({"header": HEADER, "content": {}}).encode(), [b"b"])
+    parsed = parse_client_frame(binary, None)
+    assert parsed.channel == "shell" and parsed.buffers == [b"b"]
+
+
 @pytest.mark.parametrize(("frame", "protocol", "message"), [
+    (json.dumps({"channel": "", "header": HEADER}), None, "channel"),
+    (json.dumps({"channel": 5, "header": HEADER}), None, "channel"),
+    (pack_v1("", [json.dumps(HEADER).encode(), b"{}", b"{}", b"{}"], []), V1_PROTOCOL,
+     "channel"),
     ("{not json", None, "Expecting property name"),
     ("[1, 2]", None, "JSON object"),
     (json.dumps({"channel": "iopub", "header": HEADER}), None, "channel"),

@@ -2,7 +2,7 @@
 
 Issue 13: a resume that took 3 min 45 s was reported `failed` (a failed placement is
 retried, so it later succeeded), and the summary printed could be an earlier
-resume's.
+resume's. Issue 15: it still could, for a resume of a workspace already running.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from nbfleet.cli import ws as ws_cli
 from nbfleet.cli.client import Api
 from nbfleet.control import workspaces
 from nbfleet.control.reconciler import Work, _restore_summary
+from nbfleet.control.routers.workspaces import resume_answer
 from nbfleet.db.tables import Workspace
 from nbfleet.model.workspace import Action, Step, WorkspaceState
 from nbfleet.protocol.agent import RuntimePlaced
@@ -119,6 +120,25 @@ def test_the_answer_to_a_resume_carries_only_its_own_summary() -> None:
     assert workspaces.for_request(earlier, 5)["restore"] is None
     legacy = {"generation": 5, "restore": {"kernels": {"k1": OLD_REPORT}}}  # before this change
     assert workspaces.for_request(legacy, 5)["restore"] is None
+
+
+def test_a_resume_that_found_the_workspace_running_shows_no_summary() -> None:
+    """Issue 15: a resume of a running workspace keeps its generation, so the summary
+    on record (the resume that started it) matched and was shown as its own."""
+    on_record = {"generation": 5, "state": "running",
+                 "restore": {"generation": 5, "kernels": {"k1": OLD_REPORT}}}
+    assert resume_answer(on_record, 5, found_running=True)["restore"] is None
+    assert resume_answer(on_record, 5, found_running=False) == on_record
+    earlier = {**on_record, "restore": {"generation": 3, "kernels": {"k1": OLD_REPORT}}}
+    assert resume_answer(earlier, 5, found_running=False)["restore"] is None
+
+
+def test_the_cli_says_why_a_resume_has_no_summary(cli: Callable[..., Any]) -> None:
+    answer = body("running", restore_generation=None)  # as the server answers it now
+    result = cli(answer, [])
+    assert result.exit_code == 0
+    assert "nothing was restored by it: the workspace was already running" in result.stderr
+    assert "restored 1" not in result.stderr
 
 
 # ---------------------------------------------------------- the reconciler

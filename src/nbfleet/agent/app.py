@@ -38,6 +38,7 @@ from nbfleet.protocol.agent import (
     WarmPoolState,
 )
 from nbfleet.protocol.gpu import AgentBindings
+from nbfleet.protocol.kernel_env import allowed_kernel_env
 from nbfleet.storage.files import MAX_FILE_BYTES
 from nbfleet.storage.paths import confine
 from nbfleet.web.bodies import read_bounded
@@ -114,7 +115,10 @@ def create_agent_app(service: AgentService) -> FastAPI:
 
     @api.post("/runtimes/{workspace_id}/kernels", status_code=201)
     async def add_kernel(workspace_id: str, body: AddKernel) -> KernelModel:
-        kernel = await service.manager.add_kernel(workspace_id, body.generation, body.id, body.name)
+        # Filtered again here, whatever the control plane let through: only
+        # KERNEL_* variables ever reach a kernel (defense in depth).
+        kernel = await service.manager.add_kernel(workspace_id, body.generation, body.id,
+                                                  body.name, env=allowed_kernel_env(body.env))
         return kernel.model()
 
     @api.put("/runtimes/{workspace_id}/files/{path:path}", status_code=204)

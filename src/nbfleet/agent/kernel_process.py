@@ -30,6 +30,7 @@ from nbfleet.agent.sandbox.cgroups import Cgroup
 from nbfleet.agent.sandbox.identity import Identity, hand_over
 from nbfleet.agent.wire import ClientMessage, KernelMessage, WireCodec, WireError
 from nbfleet.protocol.agent import KernelModel
+from nbfleet.protocol.kernel_env import allowed_kernel_env
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,14 @@ REQUESTER_LIMIT = 10_000
 CLIENT_QUEUE_LIMIT = 10_000
 READY_TIMEOUT_S = 60.0
 HELD_LIMIT = 1000
+#: A connection that stays open this long (or sends a request) has "stayed": what it
+#: was handed from the buffer is then its own. jupyter_server opens and at once
+#: closes a first socket each time JupyterLab connects; that one must not take
+#: the buffered output with it.
+CONFIRM_AFTER_S = 1.0
+#: What every client sends as it connects, even one about to leave (JupyterLab asks
+#: for kernel info on each socket it opens): these do not show that it stayed.
+PROBES = frozenset({"kernel_info_request", "comm_info_request"})
 
 
 def jupyter_time(moment: datetime) -> str:
@@ -68,6 +77,11 @@ class Client:
         self.protocol = protocol
         self.queue: asyncio.Queue[KernelMessage | None] = asyncio.Queue(CLIENT_QUEUE_LIMIT)
         self.closed = False
+        #: False until the connection sends a request (not a mere probe) or stays
+        #: CONFIRM_AFTER_S open.
+        self.confirmed = False
+        #: Confirms it after CONFIRM_AFTER_S (cancelled when it closes first).
+        self.confirm_timer: asyncio.TimerHandle | None = None
 
     def offer(self, message: KernelMessage) -> None:
         try:
@@ -77,6 +91,9 @@ class Client:
             self.close()
 
     def close(self) -> None:
+        if self.confirm_timer is not None:
+            self.confirm_timer.cancel()
+            self.confirm_timer = None
         if not self.closed:
             self.closed = True
             with contextlib.suppress(asyncio.QueueFull):
@@ -144,6 +161,10 @@ class KernelProcess:
         self.last_activity = datetime.now(UTC)
         self.clients: set[Client] = set()
         self._buffer: deque[KernelMessage] = deque(maxlen=BUFFER_LIMIT)
+        #: Messages only connections that have not stayed yet were handed (the
+        #: buffer, and output while only such connections were attached): back to
+        #: the buffer if they all leave without staying.
+        self._unconfirmed: deque[KernelMessage] = deque(maxlen=BUFFER_LIMIT)
         #: msg_id -> the client awaiting its reply. Bounded: comm messages get no reply.
         self._requesters: OrderedDict[str, Client] = OrderedDict()
         self._internal: set[str] = set()
@@ -306,19 +327,48 @@ class KernelProcess:
         hand_over(path, self.manager.identity)
 
     def rename(self, kernel_id: str, workspace_id: str) -> None:
-        """A warm kernel takes the identity of the workspace kernel it becomes."""
+        """A warm kernel takes the identity of the workspace kernel it becomes; it
+        was started for the user now (its pool start time would make it look older
+        than its workspace, and idle since before the user asked for it)."""
         self.id = kernel_id
         self.workspace_id = workspace_id
+        self._touch()
+
+    async def set_env(self, env: dict[str, str], timeout_s: float = 10.0) -> None:
+        """Give a started kernel (a warm one, claimed) more environment variables:
+        set in its process now and kept for its restarts. Raises if the kernel did
+        not take them. Only for IPython kernels (the warm pool's)."""
+        env = allowed_kernel_env(env)  # whatever the caller checked: only KERNEL_*
+        if not env:
+            return
+        self.env.update(env)
+        self.manager.update_env(env=env)
+        # ``repr`` of a dict of str is a Python literal, whatever the strings hold.
+        reply = await self.execute_internal(
+            f"__import__('os').environ.update({env!r})", timeout_s)
+        if reply.get("status") != "ok":
+            raise RuntimeError(f"kernel {self.id} did not take its environment: "
+                               f"{reply.get('ename')}: {reply.get('evalue')}")
 
     async def interrupt(self) -> None:
         await self.manager.interrupt_kernel()
 
     async def restart(self) -> None:
+        """A restart someone asked for (REST ``POST .../restart``).
+
+        No ``restarting`` status goes out: jupyter_server sends one only from its
+        auto-restarter, after a death, and JupyterLab reads it as a crash ("the
+        kernel appears to have died"). The client that asked knows, and reconnects.
+        """
+        await self._restart(announce=False)
+
+    async def _restart(self, announce: bool) -> None:
         async with self._lifecycle:
             if self._stopping:
                 return
             self._ready.clear()
-            self._broadcast_status("restarting")
+            if announce:
+                self._broadcast_status("restarting")
             self._requesters.clear()
             # Every cell the old process had ends; those held for the new one stay.
             self.bindings.end_all(keep=[message.msg_id for _, message in self._held])
@@ -341,7 +391,9 @@ class KernelProcess:
         self.bindings.end_all()
         with contextlib.suppress(Exception):
             await self.manager.shutdown_kernel(now=True)
-        self._broadcast_status("dead")
+        # No "dead" status: most shutdowns are a suspend or a move, after which the
+        # kernel lives on (its id rests, and clients reconnect); jupyter_server sends
+        # none on a shutdown either. JupyterLab takes "dead" as final.
         for client in list(self.clients):
             client.close()
         self.clients.clear()
@@ -363,7 +415,7 @@ class KernelProcess:
                     self.on_death(self, reason)
                 self._set_state("restarting")
                 try:
-                    await self.restart()
+                    await self._restart(announce=True)  # as jupyter_server's auto-restarter
                 except Exception:
                     log.exception("kernel %s could not be restarted", self.id)
                     self._set_state("dead")
@@ -372,17 +424,44 @@ class KernelProcess:
 
     # ------------------------------------------------------------------ relaying
     def attach(self, protocol: str | None = None) -> Client:
+        """A new connection gets what no connection that stayed has seen yet: the
+        buffer, and what connections that have not stayed yet were handed. It
+        counts as having seen them once it stays (see :meth:`confirm`)."""
         client = Client(protocol)
-        while self._buffer:  # no await in here: nothing can interleave
-            client.offer(self._buffer.popleft())
+        for message in self._unconfirmed:  # no await in here: nothing can interleave
+            client.offer(message)
+        while self._buffer:
+            message = self._buffer.popleft()
+            client.offer(message)
+            self._unconfirmed.append(message)
         self.clients.add(client)
+        with contextlib.suppress(RuntimeError):  # no running loop: confirmed by a frame
+            client.confirm_timer = asyncio.get_running_loop().call_later(
+                CONFIRM_AFTER_S, self.confirm, client)
         return client
+
+    def confirm(self, client: Client) -> None:
+        """The connection stayed: what it was handed is delivered for good."""
+        if client.confirm_timer is not None:
+            client.confirm_timer.cancel()
+            client.confirm_timer = None
+        if client.confirmed or client not in self.clients:
+            return
+        client.confirmed = True
+        self._unconfirmed.clear()  # it was handed every one of them
 
     def detach(self, client: Client) -> None:
         self.clients.discard(client)
         client.close()
+        if not client.confirmed and not self.clients and self._unconfirmed:
+            # It left without staying, and nobody else holds them: the next
+            # connection gets them, ahead of anything buffered since.
+            self._buffer = deque([*self._unconfirmed, *self._buffer], maxlen=BUFFER_LIMIT)
+            self._unconfirmed.clear()
 
     def send_from_client(self, client: Client, message: ClientMessage) -> None:
+        if not client.confirmed and message.msg_type not in PROBES:
+            self.confirm(client)  # it asks for work: what it was handed is its own
         if message.binding is not None and message.channel == "shell" and not self._stopping:
             if message.binding.task_id == f"{self.id}/{message.msg_id}":
                 # Bound from the moment the agent accepts the cell: the control plane
@@ -459,6 +538,8 @@ class KernelProcess:
         if not self.clients:
             self._buffer.append(message)
             return
+        if not any(client.confirmed for client in self.clients):
+            self._unconfirmed.append(message)
         for client in list(self.clients):
             client.offer(message)
 

@@ -9,6 +9,7 @@ workspace serializes commands, so a resume asked for twice gives one runtime.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from typing import Any
 
 from nbfleet.agent import filesync, statesync
 from nbfleet.agent.kernel_process import KernelProcess
+from nbfleet.agent.livesync import LiveSync
 from nbfleet.agent.sandbox import Isolation, gpu_devices
 from nbfleet.agent.slots import Slot, new_kernel
 from nbfleet.agent.warmpool import Warm, WarmPool
@@ -34,6 +36,8 @@ class Runtime:
     slot: Slot
     manifest: filesync.Manifest = field(default_factory=dict)
     kernels: dict[str, KernelProcess] = field(default_factory=dict)
+    #: The periodic sync of what its kernels write (None: turned off).
+    syncing: asyncio.Task[None] | None = None
 
     @property
     def workdir(self) -> str:
@@ -52,7 +56,8 @@ class RuntimeManager:
     def __init__(self, state_dir: str, files: WorkspaceFiles, sockets_dir: str,
                  isolation: Isolation | None = None, release_delay_s: float = 0.0,
                  warm_pool: int = 0,
-                 on_released: Callable[[list[str]], None] | None = None) -> None:
+                 on_released: Callable[[list[str]], None] | None = None,
+                 file_sync_interval_s: float = 0.0) -> None:
         self.runtimes_dir = f"{state_dir}/runtimes"
         self.sockets_dir = sockets_dir
         self.isolation = isolation or Isolation(None)
@@ -75,6 +80,9 @@ class RuntimeManager:
         #: Told the task ids of cells whose GPU bindings ended (reply, death, restart,
         #: suspend, release); must not block (see ``bindings.ReleaseQueue.put``).
         self.on_released: Callable[[list[str]], None] = on_released or (lambda task_ids: None)
+        #: Seconds between syncs of what a live runtime's kernels write (0: only at
+        #: suspend and release). See ``livesync``.
+        self.file_sync_interval_s = file_sync_interval_s
 
     def new_slot(self, name: str, limits: Limits | None = None, network: str = "none",
                  devices: tuple[str, ...] = ()) -> Slot:
@@ -156,7 +164,18 @@ class RuntimeManager:
             await self._teardown(runtime, sync=False)
             raise
         self.runtimes[workspace_id] = runtime
+        self._start_sync(runtime)
         return placed
+
+    def _start_sync(self, runtime: Runtime) -> None:
+        if self.file_sync_interval_s <= 0:
+            return
+        workspace_id = runtime.workspace_id
+        loop = LiveSync(self.files, workspace_id, lambda: runtime.workdir,
+                        lambda: runtime.manifest,
+                        lambda: self.runtimes.get(workspace_id) is runtime,
+                        self._lock(workspace_id), self.file_sync_interval_s)
+        runtime.syncing = asyncio.create_task(loop.run(), name=f"file-sync-{workspace_id}")
 
     def _restore_layer(self, workspace_id: str, key: str | None, slot: Slot) -> dict[str, Any]:
         if key is None:
@@ -169,7 +188,11 @@ class RuntimeManager:
         return {"restored": True}
 
     async def add_kernel(self, workspace_id: str, generation: int, kernel_id: str,
-                         name: str) -> KernelProcess:
+                         name: str, env: dict[str, str] | None = None) -> KernelProcess:
+        """``env``: ``KERNEL_*`` variables a gateway client asked for, already
+        filtered (``protocol.kernel_env``): in a cold kernel's environment from its
+        start, set in a claimed warm kernel before anyone reaches it."""
+        env = env or {}
         async with self._lock(workspace_id):
             self._fence(workspace_id, generation)
             runtime = self.runtimes.get(workspace_id)
@@ -180,15 +203,26 @@ class RuntimeManager:
             if not runtime.kernels and self._warm_fits(runtime.slot.limits, runtime.slot.network,
                                                        runtime.slot.devices):
                 warm = self.pool.claim(name)
-                if warm is not None and await self._fit(warm, runtime.slot.limits,
-                                                        adopt=runtime.slot):
+                if warm is not None and await self._give_env(warm, env) and await self._fit(
+                        warm, runtime.slot.limits, adopt=runtime.slot):
                     # The runtime now lives in the warm kernel's slot.
                     await asyncio.to_thread(runtime.slot.remove)
                     runtime.slot = warm.slot
                     warm.kernel.rename(kernel_id, workspace_id)
                     self._register(runtime, warm.kernel)
                     return warm.kernel
-            return await self._start_kernel(runtime, kernel_id, name)
+            return await self._start_kernel(runtime, kernel_id, name, env)
+
+    async def _give_env(self, warm: Warm, env: dict[str, str]) -> bool:
+        """Set a claimed warm kernel's variables; one that does not take them is
+        thrown away (the caller starts a kernel cold, with them)."""
+        try:
+            await warm.kernel.set_env(env)
+        except Exception as exc:
+            log.warning("warm kernel %s not used: %s", warm.kernel.id, exc)
+            await self.pool.discard(warm)
+            return False
+        return True
 
     def _warm_fits(self, limits: Limits, network: str, devices: tuple[str, ...]) -> bool:
         """Whether a warm slot can serve a workspace: its disk was made at the default
@@ -212,8 +246,10 @@ class RuntimeManager:
             return False
         return True
 
-    async def _start_kernel(self, runtime: Runtime, kernel_id: str, name: str) -> KernelProcess:
-        kernel = new_kernel(runtime.slot, kernel_id, runtime.workspace_id, name, self.sandbox)
+    async def _start_kernel(self, runtime: Runtime, kernel_id: str, name: str,
+                            env: dict[str, str] | None = None) -> KernelProcess:
+        kernel = new_kernel(runtime.slot, kernel_id, runtime.workspace_id, name, self.sandbox,
+                            env=env)
         try:
             await kernel.start()
         except BaseException:
@@ -299,6 +335,13 @@ class RuntimeManager:
             return True
 
     async def _teardown(self, runtime: Runtime, sync: bool) -> None:
+        """Called with the workspace's lock held, so its file sync is never cut off
+        while it writes the store (it waits for the lock, or sleeps, or scans)."""
+        if runtime.syncing is not None:
+            runtime.syncing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await runtime.syncing
+            runtime.syncing = None
         await asyncio.gather(*(kernel.shutdown() for kernel in runtime.kernels.values()))
         for kernel_id in runtime.kernels:
             self.kernels.pop(kernel_id, None)
@@ -330,6 +373,7 @@ class RuntimeManager:
         await self.pool.shutdown()
         for runtime in list(self.runtimes.values()):
             try:
-                await self._teardown(runtime, sync=True)
+                async with self._lock(runtime.workspace_id):
+                    await self._teardown(runtime, sync=True)
             except Exception:
                 log.exception("could not tear down runtime %s", runtime.workspace_id)

@@ -68,6 +68,9 @@ class AgentConfig:
     )
     #: Seconds between job heartbeats (progress, usage, log chunks) while jobs run.
     job_heartbeat_s: float = 2.0
+    #: Seconds between syncs of the files kernels write to the blob store (0: only
+    #: at suspend and release); the recovery point objective is about twice this.
+    file_sync_interval_s: float = 2.0
 
 
 def load_agent_id(state_dir: str) -> str:
@@ -217,6 +220,7 @@ class AgentService:
                 self.state_dir, files, self.sockets_dir,
                 isolation=self.isolation, release_delay_s=self.config.release_delay_s,
                 warm_pool=self.config.warm_pool, on_released=self.released.put,
+                file_sync_interval_s=self.config.file_sync_interval_s,
             )
             self.runtimes.pool.start()
         if self.jobs is None:

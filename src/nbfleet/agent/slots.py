@@ -30,6 +30,7 @@ from nbfleet.agent.sandbox.egress import Netns
 from nbfleet.agent.sandbox.identity import Identities, Identity, hand_over
 from nbfleet.agent.sandbox.quota import Disk, unmount
 from nbfleet.model.limits import Limits, format_size
+from nbfleet.protocol.kernel_env import allowed_kernel_env
 
 #: Environment variables a kernel may inherit. Everything else, the control plane's
 #: secrets included, is withheld from user code.
@@ -222,8 +223,13 @@ class Slot:
 
 
 def new_kernel(slot: Slot, kernel_id: str, workspace_id: str, name: str,
-               sandbox: Sandbox | None, preimport: tuple[str, ...] = ()) -> KernelProcess:
-    """A kernel process (not started) that runs in ``slot`` and captures its state."""
+               sandbox: Sandbox | None, preimport: tuple[str, ...] = (),
+               env: dict[str, str] | None = None) -> KernelProcess:
+    """A kernel process (not started) that runs in ``slot`` and captures its state.
+
+    ``env``: a client's ``KERNEL_*`` variables, filtered by
+    ``protocol.kernel_env`` (never a name the platform sets itself)."""
+    extra_env = allowed_kernel_env(env)
     env = kernel_env(slot.home)
     extra: tuple[str, ...] = ()
     state_dir = os.path.join(slot.state, uuid.uuid4().hex[:12])
@@ -240,6 +246,7 @@ def new_kernel(slot: Slot, kernel_id: str, workspace_id: str, name: str,
         )
         if preimport:
             env["NBFLEET_PREIMPORT"] = ",".join(preimport)
+    env.update(extra_env)
     kernel = KernelProcess(kernel_id, workspace_id, name, slot.files, env, slot.sockets,
                            sandbox=sandbox, visible=(slot.home, slot.packages, slot.state),
                            readonly=(slot.root,), ipc_dir=slot.ipc, extra_arguments=extra,

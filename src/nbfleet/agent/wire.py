@@ -154,7 +154,12 @@ def parse_client_frame(data: str | bytes, protocol: str | None) -> ClientMessage
             buffers = []
         if not isinstance(message, dict):
             raise WireError("a kernel message must be a JSON object")
+        # jupyter_server's gateway kernel client (nbclient, papermill) leaves the
+        # channel out; the reference servers take a missing one as shell. (A v1
+        # frame always names one: there, an empty name is refused.)
         channel = message.get("channel")
+        if channel is None:
+            channel = "shell"
         header = message.get("header")
         metadata = message.get("metadata")
         parts = [_dump(message.get(name) or {})

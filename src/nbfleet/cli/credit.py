@@ -15,7 +15,18 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from nbfleet.cli.client import TOKEN_OPT, URL_OPT, Api, err, out, print_json
+from nbfleet.cli.client import (
+    JSON_ALWAYS_OPT,
+    JSON_OPT,
+    TOKEN_OPT,
+    URL_OPT,
+    Api,
+    err,
+    out,
+    print_json,
+    print_table,
+    when,
+)
 from nbfleet.cli.home import home_dir, sqlite_url
 from nbfleet.model.credits import MICRO
 
@@ -30,7 +41,6 @@ app.add_typer(hold_app, name="hold")
 
 KEY_OPT = typer.Option(None, "--idempotency-key",
                        help="Idempotency-Key to send (default: a new uuid4); reuse it to retry")
-JSON_OPT = typer.Option(False, "--json", help="Print the raw JSON answer")
 
 
 def to_micro(text: str, what: str = "amount", zero_ok: bool = False) -> int:
@@ -117,13 +127,10 @@ def balance(
                       "", "", "")
     out.print(table)
     if body["upcoming_expirations"]:
-        soon = Table(title="next expirations")
-        for column in ("grant", "kind", "credits", "expires at"):
-            soon.add_column(column)
-        for item in body["upcoming_expirations"]:
-            soon.add_row(item["grant_id"], item["kind"], credits(item["amount"]),
-                         item["expires_at"])
-        out.print(soon)
+        print_table(("grant", "kind", "credits", "expires at"),
+                    [(item["grant_id"], item["kind"], credits(item["amount"]),
+                      when(item["expires_at"])) for item in body["upcoming_expirations"]],
+                    ids=("grant",), right=("credits",), title="next expirations")
 
 
 @app.command("ledger")
@@ -133,6 +140,7 @@ def ledger(
     scope: str | None = typer.Option(None, "--scope", help="project or org"),
     after: int | None = typer.Option(None, "--after", help="Cursor: the previous page's next"),
     limit: int = typer.Option(100, "--limit", min=1, max=500),
+    as_json: bool = JSON_ALWAYS_OPT,
     url: str | None = URL_OPT,
     token: str | None = TOKEN_OPT,
 ) -> None:
@@ -150,6 +158,7 @@ def audit(
     until: str | None = typer.Option(None, "--until", help="RFC 3339 with a zone"),
     after: int | None = typer.Option(None, "--after", help="Cursor: the previous page's next"),
     limit: int = typer.Option(100, "--limit", min=1, max=500),
+    as_json: bool = JSON_ALWAYS_OPT,
     url: str | None = URL_OPT,
     token: str | None = TOKEN_OPT,
 ) -> None:
@@ -181,6 +190,7 @@ def budget_set(
 @budget_app.command("list")
 def budget_list(
     org: str | None = typer.Option(None, "--org", help="Admins: only this org's"),
+    as_json: bool = JSON_ALWAYS_OPT,
     url: str | None = URL_OPT,
     token: str | None = TOKEN_OPT,
 ) -> None:
@@ -212,7 +222,8 @@ def budget_delete(budget_id: str, key: str | None = KEY_OPT, url: str | None = U
 
 
 @hold_app.command("get")
-def hold_get(hold_id: str, url: str | None = URL_OPT, token: str | None = TOKEN_OPT) -> None:
+def hold_get(hold_id: str, as_json: bool = JSON_ALWAYS_OPT, url: str | None = URL_OPT,
+             token: str | None = TOKEN_OPT) -> None:
     """Show a hold."""
     print_json(Api(url, token).json("GET", f"/v1/credits/holds/{hold_id}"))
 
@@ -302,14 +313,13 @@ def verify(
     if as_json:
         print_json(report.as_json())
     else:
-        table = Table(title=f"{report.wallets} wallets, {report.buckets} grants, "
-                            f"{report.holds} holds, {report.entries} journal entries")
-        for column in ("wallet", "granted", "available", "held", "consumed", "expired"):
-            table.add_column(column, justify="left" if column == "wallet" else "right")
-        for owner, totals in sorted(report.totals.items()):
-            table.add_row(owner, *(credits(totals[name]) for name in
-                                   ("granted", "available", "held", "consumed", "expired")))
-        out.print(table)
+        amounts = ("granted", "available", "held", "consumed", "expired")
+        print_table(("wallet", *amounts),
+                    [(owner, *(credits(totals[name]) for name in amounts))
+                     for owner, totals in sorted(report.totals.items())],
+                    ids=("wallet",), right=amounts,
+                    title=f"{report.wallets} wallets, {report.buckets} grants, "
+                          f"{report.holds} holds, {report.entries} journal entries")
         for mismatch in report.mismatches:
             err.print(f"[red]mismatch:[/red] {escape(mismatch)}")
         if report.ok:

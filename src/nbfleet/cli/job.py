@@ -9,9 +9,18 @@ from typing import Any
 
 import httpx
 import typer
-from rich.table import Table
 
-from nbfleet.cli.client import TOKEN_OPT, URL_OPT, Api, err, out, print_json
+from nbfleet.cli.client import (
+    JSON_ALWAYS_OPT,
+    JSON_OPT,
+    TOKEN_OPT,
+    URL_OPT,
+    Api,
+    err,
+    print_json,
+    print_table,
+    when,
+)
 
 app = typer.Typer(help="Submit GPU jobs, follow them, cancel them, fetch their results.",
                   no_args_is_help=True)
@@ -81,8 +90,10 @@ def _wait(api: Api, job_id: str) -> dict[str, Any]:
 
 
 @app.command("get")
-def get(job_id: str, url: str | None = URL_OPT, token: str | None = TOKEN_OPT) -> None:
-    """A job with all its attempts."""
+def get(job_id: str,
+        as_json: bool = JSON_ALWAYS_OPT,
+        url: str | None = URL_OPT, token: str | None = TOKEN_OPT) -> None:
+    """A job with all its attempts, as JSON."""
     print_json(Api(url, token).json("GET", f"/v1/jobs/{job_id}"))
 
 
@@ -99,27 +110,29 @@ def wait_(job_id: str, url: str | None = URL_OPT, token: str | None = TOKEN_OPT)
 def list_(state: str | None = typer.Option(None, help="Only jobs in this state"),
           binary: str | None = typer.Option(None, help="Only jobs of this binary"),
           limit: int = typer.Option(50, min=1, help="At most this many"),
+          as_json: bool = JSON_OPT,
           url: str | None = URL_OPT, token: str | None = TOKEN_OPT) -> None:
-    """List jobs, newest first."""
+    """List jobs, newest first (--json: the pages' items as one {"items": [...]})."""
     api = Api(url, token)
-    table = Table("binary", "version", "tier", "state", "attempt", "created")
-    table.add_column("id", no_wrap=True, min_width=30)  # ids are for copying: never cut
+    items: list[dict[str, Any]] = []
     before: str | None = None
-    shown = 0
-    while shown < limit:
-        params: dict[str, Any] = {"limit": min(500, limit - shown)}
+    while len(items) < limit:
+        params: dict[str, Any] = {"limit": min(500, limit - len(items))}
         for key, value in (("state", state), ("binary", binary), ("before", before)):
             if value is not None:
                 params[key] = value
         page = api.json("GET", "/v1/jobs", params=params)
-        for job in page["items"]:
-            table.add_row(job["binary"], job["version"], job["tier"], job["state"],
-                          str(job["attempt"]), job["created_at"], job["id"])
-            shown += 1
+        items.extend(page["items"][:limit - len(items)])
         before = page["next"]
         if not before:
             break
-    out.print(table)
+    if as_json:
+        print_json({"items": items})
+        return
+    print_table(("id", "binary", "version", "tier", "state", "attempt", "created"),
+                [(job["id"], job["binary"], job["version"], job["tier"], job["state"],
+                  str(job["attempt"]), when(job["created_at"])) for job in items],
+                right=("attempt",))
 
 
 @app.command("cancel")
@@ -139,10 +152,13 @@ def logs(job_id: str,
     if attempt is not None:
         params["attempt"] = attempt
     api.call("GET", f"/v1/jobs/{job_id}")  # a clear error for an unknown job
-    with api.http.stream("GET", f"/v1/jobs/{job_id}/logs", params=params,
-                         timeout=httpx.Timeout(60.0, read=None)) as response:
-        for chunk in response.iter_bytes():
-            typer.echo(chunk.decode(errors="replace"), nl=False)
+    try:
+        with api.http.stream("GET", f"/v1/jobs/{job_id}/logs", params=params,
+                             timeout=httpx.Timeout(60.0, read=None)) as response:
+            for chunk in response.iter_bytes():
+                typer.echo(chunk.decode(errors="replace"), nl=False)
+    except httpx.TransportError as exc:  # the control plane went away mid-stream
+        api.unreachable(exc)
 
 
 @app.command("result")
@@ -185,15 +201,18 @@ def register(name: str, version: str,
 
 
 @binaries.command("list")
-def list_binaries(name: str | None = typer.Argument(None),
+def list_binaries(name: str | None = typer.Argument(None), as_json: bool = JSON_OPT,
                   url: str | None = URL_OPT, token: str | None = TOKEN_OPT) -> None:
     """Versions with their rollout state and failure rates."""
-    rows = Api(url, token).json("GET", "/v1/binaries", params={"name": name} if name else {})
-    table = Table("name", "version", "state", "canary %", "attempts", "failures", "reason")
-    for row in rows["items"]:
-        table.add_row(row["name"], row["version"], row["state"], str(row["canary_percent"]),
-                      str(row["attempts"]), str(row["binary_failures"]), row["reason"] or "")
-    out.print(table)
+    body = Api(url, token).json("GET", "/v1/binaries", params={"name": name} if name else {})
+    if as_json:
+        print_json(body)
+        return
+    print_table(("name", "version", "state", "canary %", "attempts", "failures", "reason"),
+                [(row["name"], row["version"], row["state"], str(row["canary_percent"]),
+                  str(row["attempts"]), str(row["binary_failures"]), row["reason"])
+                 for row in body["items"]],
+                ids=("name", "version"), right=("canary %", "attempts", "failures"))
 
 
 @binaries.command("canary")

@@ -71,6 +71,10 @@ SANDBOX_OPT = typer.Option(
 )
 WARM_POOL_OPT = typer.Option(1, "--warm-pool", min=0, max=64,
                              help="Warm kernels kept ready for fast resumes (0: none)")
+FILE_SYNC_OPT = typer.Option(
+    2.0, "--file-sync-interval", min=0,
+    help="Seconds between syncs of the files kernels write to the blob store (0: only at "
+         "suspend); about twice this is how much kernel-written work a lost host can lose")
 JOB_HEARTBEAT_OPT = typer.Option(
     2.0, "--job-heartbeat", min=0.05, max=60,
     help="Seconds between the agent's job reports (progress, GPU usage, log chunks)")
@@ -302,6 +306,7 @@ def agent(
     cgroup_parent: str | None = CGROUP_PARENT_OPT,
     warm_pool: int = WARM_POOL_OPT,
     job_heartbeat: float = JOB_HEARTBEAT_OPT,
+    file_sync_interval: float = FILE_SYNC_OPT,
     log_level: str = LOG_OPT,
 ) -> None:
     """Run one agent (host) that registers with a control plane."""
@@ -326,7 +331,7 @@ def agent(
                     release_delay_s=release_delay, sandbox=sandbox,
                     hidden_paths=[str(state), *([secret_file] if secret_file else [])],
                     warm_pool=warm_pool, job_heartbeat_s=job_heartbeat, limits=limits,
-                    cgroup_parent=cgroup_parent),
+                    cgroup_parent=cgroup_parent, file_sync_interval_s=file_sync_interval),
         sock, log_level,
     )
     asyncio.run(serve_all([serving]))

@@ -171,6 +171,7 @@ def banner(url: str, token: str, home: Path) -> None:
     console.print(Panel.fit(
         f"[bold]nbfleet[/bold] is up at [cyan]{url}[/cyan]\n"
         f"admin token: [yellow]{token}[/yellow]  (also in {home / 'admin-token'}, mode 0600)\n"
+        f"dashboard:   {url}/  (sign in with a token; each workspace opens in JupyterLab)\n"
         f"API docs:    {url}/docs\n"
         "Press Ctrl-C to stop.",
         title="nbfleet",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from nbfleet.cli.client import TOKEN_OPT, URL_OPT, Api, out
+from nbfleet.cli.client import TOKEN_OPT, URL_OPT, Api
 
 app = typer.Typer(help="Manage users (needs an admin token).", no_args_is_help=True)
 
@@ -23,4 +23,4 @@ def create(
         "POST", "/v1/admin/users",
         json={"name": name, "org": org, "project": project, "admin": admin},
     )
-    out.print(body["token"])
+    typer.echo(body["token"])  # plain: a token is never wrapped or styled

@@ -3,16 +3,28 @@
 from __future__ import annotations
 
 import math
+import os
 import re
+import sys
 import time
 import uuid
+import webbrowser
 from pathlib import Path
 from typing import Any, NoReturn
+from urllib.parse import quote
 
 import typer
-from rich.table import Table
 
-from nbfleet.cli.client import TOKEN_OPT, URL_OPT, Api, err, out, print_json
+from nbfleet.cli.client import (
+    JSON_OPT,
+    TOKEN_OPT,
+    URL_OPT,
+    Api,
+    err,
+    print_json,
+    print_table,
+    when,
+)
 from nbfleet.model.errors import InvalidInput
 from nbfleet.model.limits import format_size, parse_size
 
@@ -86,9 +98,12 @@ def _tell_restored(body: dict[str, Any], generation: int | None) -> None:
     earlier resume) is never shown as if it were.
     """
     summary = body.get("restore") or {}
-    if summary.get("generation") != generation:
+    if generation is None or summary.get("generation") != generation:
+        # The server answers a resume of a workspace that was already running with
+        # no summary: that resume restored nothing (the one on record is older).
         if (body.get("snapshot") or {}).get("kernels"):
-            err.print("no restore report for this resume")
+            err.print("no restore report for this resume (nothing was restored by it: the "
+                      "workspace was already running, or another request resumed it)")
         return
     for kernel_id, report in (summary.get("kernels") or {}).items():
         if report.get("files_only"):
@@ -197,28 +212,35 @@ def create(name: str, wait: bool = WAIT_OPT, gpus: int | None = GPUS_OPT,
 
 
 @app.command("list")
-def list_(url: str | None = URL_OPT, token: str | None = TOKEN_OPT) -> None:
-    """List workspaces."""
+def list_(as_json: bool = JSON_OPT, url: str | None = URL_OPT,
+          token: str | None = TOKEN_OPT) -> None:
+    """List workspaces (--json: every page's items as one {"items": [...]})."""
     api = Api(url, token)
-    table = Table("id", "name", "state", "desired", "gpus", "updated")
+    items: list[dict[str, Any]] = []
     after: str | None = None
     while True:
         page = api.json("GET", "/v1/workspaces", params={"after": after} if after else {})
-        for ws in page["items"]:
-            table.add_row(ws["id"], ws["name"], ws["state"], ws["desired_state"],
-                          gpu_summary(ws.get("resources")), ws["updated_at"])
+        items.extend(page["items"])
         after = page["next"]
         if not after:
             break
-    out.print(table)
+    if as_json:
+        print_json({"items": items})
+        return
+    print_table(("id", "name", "state", "desired", "gpus", "updated"),
+                [(ws["id"], ws["name"], ws["state"], ws["desired_state"],
+                  gpu_summary(ws.get("resources")), when(ws["updated_at"])) for ws in items])
 
 
 @app.command("get")
-def get(workspace_id: str, url: str | None = URL_OPT, token: str | None = TOKEN_OPT) -> None:
-    """Show one workspace (JSON on stdout; its resource request, compactly, on stderr)."""
+def get(workspace_id: str, as_json: bool = JSON_OPT, url: str | None = URL_OPT,
+        token: str | None = TOKEN_OPT) -> None:
+    """Show one workspace: JSON on stdout, and its resource request compactly on
+    stderr (not with --json, whose output is the JSON alone)."""
     body = Api(url, token).json("GET", f"/v1/workspaces/{workspace_id}")
     print_json(body)
-    err.print(f"resources: {resources_summary(body.get('resources'))}")
+    if not as_json:
+        err.print(f"resources: {resources_summary(body.get('resources'))}")
 
 
 @app.command("suspend")
@@ -243,13 +265,17 @@ def delete(workspace_id: str, wait: bool = WAIT_OPT, url: str | None = URL_OPT,
 
 
 @app.command("files")
-def files(workspace_id: str, url: str | None = URL_OPT, token: str | None = TOKEN_OPT) -> None:
+def files(workspace_id: str, as_json: bool = JSON_OPT, url: str | None = URL_OPT,
+          token: str | None = TOKEN_OPT) -> None:
     """List a workspace's files."""
     body = Api(url, token).json("GET", f"/v1/workspaces/{workspace_id}/files")
-    table = Table("path", "size", "modified")
-    for entry in body["files"]:
-        table.add_row(entry["path"], str(entry["size"]), entry["modified"] or "")
-    out.print(table)
+    if as_json:
+        print_json(body)
+        return
+    print_table(("path", "size", "modified"),
+                [(entry["path"], str(entry["size"]), when(entry["modified"]))
+                 for entry in body["files"]],
+                ids=("path",), right=("size",))
 
 
 @app.command("put")
@@ -284,4 +310,36 @@ def gateway_url(workspace_id: str, url: str | None = URL_OPT,
     """Print the URL to give `jupyter server --gateway-url` for this workspace."""
     api = Api(url, token)
     api.json("GET", f"/v1/workspaces/{workspace_id}")
-    out.print(f"{api.url}/v1/workspaces/{workspace_id}")
+    typer.echo(f"{api.url}/v1/workspaces/{workspace_id}")  # plain: never wrapped
+
+
+def has_display() -> bool:
+    """Whether a browser could show a page here: macOS and Windows always can; elsewhere
+    an X or Wayland display, or a $BROWSER command, is needed (not over plain ssh)."""
+    if sys.platform in ("darwin", "win32"):
+        return True
+    return any(os.environ.get(name) for name in ("DISPLAY", "WAYLAND_DISPLAY", "BROWSER"))
+
+
+@app.command("open")
+def open_(workspace_id: str,
+          no_browser: bool = typer.Option(False, "--no-browser",
+                                          help="Only print the URL; do not start a browser"),
+          as_json: bool = typer.Option(False, "--json", help='Print {"url": ...} only'),
+          url: str | None = URL_OPT, token: str | None = TOKEN_OPT) -> None:
+    """Print the workspace's JupyterLab URL and open it in a browser (when there is a
+    display). The workspace is looked up first, so a wrong id fails here, not in the
+    browser."""
+    api = Api(url, token)
+    quoted = quote(workspace_id, safe="")  # an id, never a path of its own
+    api.json("GET", f"/v1/workspaces/{quoted}",
+             not_found=f"workspace {workspace_id} not found (or not visible with this token)")
+    lab = f"{api.url}/w/{quoted}/lab"
+    if as_json:
+        print_json({"url": lab})
+    else:
+        typer.echo(lab)  # plain: a URL is never wrapped
+    if no_browser or not has_display():
+        return
+    if not webbrowser.open(lab):
+        err.print("no browser could be started; open the URL above yourself")

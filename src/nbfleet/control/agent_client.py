@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable
+from collections.abc import AsyncIterable, Mapping
 from typing import Any, TypeVar
 from urllib.parse import quote
 
@@ -105,8 +105,11 @@ class AgentClient:
             params=order.model_dump(mode="json")))
 
     async def add_kernel(self, base: str, workspace_id: str, generation: int, kernel_id: str,
-                         name: str) -> KernelModel:
-        order = _order(AddKernel, generation=generation, id=kernel_id, name=name)
+                         name: str, *, env: Mapping[str, str] | None = None) -> KernelModel:
+        """``env``: the kernel's ``KERNEL_*`` variables, already filtered by
+        ``protocol.kernel_env.allowed_kernel_env`` (the agent filters them again)."""
+        order = _order(AddKernel, generation=generation, id=kernel_id, name=name,
+                       env=dict(env or {}))
         return _answer(KernelModel, await self._call(
             "POST", f"{base}/agent/v1/runtimes/{workspace_id}/kernels",
             json=order.model_dump(mode="json")))

@@ -10,10 +10,12 @@ from fastapi import Depends, FastAPI, Response
 
 from nbfleet import __version__
 from nbfleet.control import credit_reaper, culler, housekeeping, job_dispatcher, leases
+from nbfleet.control.dashboard import router as dashboard_router
 from nbfleet.control.data_errors import install_data_error_handler
 from nbfleet.control.fleet import router as fleet_router
 from nbfleet.control.fleet.local_agents import local_provider
 from nbfleet.control.job_intake import JobIntake
+from nbfleet.control.lab import router as lab_router
 from nbfleet.control.operators import require_operator
 from nbfleet.control.platform import ControlConfig, Platform
 from nbfleet.control.reconciler import LEASE, Reconciler
@@ -31,6 +33,7 @@ from nbfleet.control.routers import (
 )
 from nbfleet.db.migrate import upgrade
 from nbfleet.storage.files import MAX_FILE_BYTES
+from nbfleet.web.apidocs import mount_api_docs
 from nbfleet.web.limits import BodyLimit, BodyLimitMiddleware
 from nbfleet.web.metrics import TimingMiddleware, metrics_response
 from nbfleet.web.problems import install_problem_handlers
@@ -79,6 +82,8 @@ def create_app(config: ControlConfig, run_reconciler: bool = True) -> FastAPI:
         version=__version__,
         summary="GPU-efficient hosted notebooks and GPU jobs",
         lifespan=lifespan,
+        docs_url=None,  # served from local assets by mount_api_docs
+        redoc_url=None,
     )
     app.state.platform = platform
     job_intake = app.state.job_intake = JobIntake(platform)
@@ -94,6 +99,9 @@ def create_app(config: ControlConfig, run_reconciler: bool = True) -> FastAPI:
         app.include_router(module.router)
     app.include_router(jobs.download)
     app.include_router(fleet_router.router)
+    app.include_router(lab_router.router)
+    app.include_router(dashboard_router.router)
+    mount_api_docs(app)
 
     @app.get("/healthz", tags=["ops"], summary="Liveness")
     async def healthz() -> dict[str, str]:  # no I/O: no worker-thread hop

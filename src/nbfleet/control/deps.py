@@ -5,14 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from fastapi import Request
+from fastapi import Request, WebSocket
 from fastapi.responses import JSONResponse
 from sqlalchemy.orm import Session
 
-from nbfleet.control import auth
+from nbfleet.control import auth, websessions
 from nbfleet.control.idempotency import request_fingerprint, run_idempotent
 from nbfleet.control.platform import Platform
-from nbfleet.model.errors import NotFound
+from nbfleet.model.errors import Forbidden, NotFound
 from nbfleet.web.problems import bearer_token, problem
 
 
@@ -27,10 +27,42 @@ def token_of(headers: Any, query: Any) -> str | None:
 
 
 def current_principal(request: Request) -> auth.Principal:
+    """The caller: by API token (``Authorization`` or ``?token=``), else by the
+    browser's session cookie, whose unsafe requests must carry the CSRF token in
+    the ``X-XSRFToken`` header (``websessions``)."""
+    return principal_of(request)
+
+
+def principal_of(request: Request, form_xsrf: str | None = None) -> auth.Principal:
+    """:func:`current_principal`, also accepting the CSRF token from an ``_xsrf`` form
+    field the caller has already parsed (the dashboard's forms). Kept apart so that
+    FastAPI never reads ``form_xsrf`` from a query string: tokens stay out of URLs."""
     platform = platform_of(request)
     token = token_of(request.headers, request.query_params)
-    with platform.db.transaction(write=False) as session:
-        return auth.resolve(session, token)
+    if token or websessions.SESSION_COOKIE not in request.cookies:
+        with platform.db.transaction(write=False) as session:
+            return auth.resolve(session, token)
+    return websessions.authenticate(
+        platform.db, platform.config.secret, request.cookies, request.method,
+        request.headers.get(websessions.XSRF_HEADER) or form_xsrf)
+
+
+def principal_of_websocket(platform: Platform, websocket: WebSocket) -> auth.Principal:
+    """The caller of a WebSocket: by token (header or ``?token=``), else by session
+    cookie. A handshake is a GET and carries no CSRF header, and browsers send
+    cookies on WebSockets opened from any site; so with a cookie, the ``Origin`` the
+    browser sets must be ours (or absent: not a browser), or anyone's page could
+    drive the user's kernels (cross-site WebSocket hijacking). Raises 401 or 403."""
+    token = token_of(websocket.headers, websocket.query_params)
+    if token or websessions.SESSION_COOKIE not in websocket.cookies:
+        with platform.db.transaction(write=False) as session:
+            return auth.resolve(session, token)
+    origin = websocket.headers.get("origin")
+    if origin is not None and not websessions.same_origin(origin,
+                                                          websocket.headers.get("host")):
+        raise Forbidden("cross-origin WebSocket refused: its Origin is not this server")
+    return websessions.authenticate(platform.db, platform.config.secret, websocket.cookies,
+                                    "GET", None)
 
 
 def require_admin(request: Request) -> auth.Principal:

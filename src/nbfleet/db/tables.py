@@ -151,6 +151,45 @@ class Kernel(Base):
     created_at: Mapped[datetime]
 
 
+class WebSession(Base):
+    """A browser's sign-in: the cookie holds a random secret, only its SHA-256 is here."""
+
+    __tablename__ = "web_sessions"
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    user_id: Mapped[str] = mapped_column(ForeignKey("users.id"), index=True)
+    session_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime]
+    expires_at: Mapped[datetime]
+    revoked_at: Mapped[datetime | None]
+
+
+class NotebookSession(Base):
+    """A Jupyter session (``/api/sessions``): which kernel a notebook path talks to.
+
+    Kept in the DB, not in a server's memory, so it survives suspend, a control-plane
+    restart and any replica answering the next request."""
+
+    __tablename__ = "notebook_sessions"
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)  # a UUID, as Jupyter expects
+    workspace_id: Mapped[str] = mapped_column(ForeignKey("workspaces.id"), index=True)
+    path: Mapped[str] = mapped_column(String(1024))
+    name: Mapped[str] = mapped_column(String(1024))
+    type: Mapped[str] = mapped_column(String(40))
+    kernel_id: Mapped[str] = mapped_column(String(40), index=True)
+    created_at: Mapped[datetime]
+
+
+class LabState(Base):
+    """A user's JupyterLab settings overrides and layouts, by key (``settings:PLUGIN``,
+    ``layout:WORKSPACE:NAME``): what jupyterlab_server keeps in files, kept per user."""
+
+    __tablename__ = "lab_state"
+    user_id: Mapped[str] = mapped_column(ForeignKey("users.id"), primary_key=True)
+    key: Mapped[str] = mapped_column(String(300), primary_key=True)
+    value: Mapped[str] = mapped_column(Text)
+    updated_at: Mapped[datetime]
+
+
 class Agent(Base):
     __tablename__ = "agents"
     id: Mapped[str] = mapped_column(String(40), primary_key=True)

@@ -81,6 +81,9 @@ class AddKernel(KernelRef):
     """``POST /agent/v1/runtimes/{workspace_id}/kernels``."""
 
     generation: int = Field(ge=1)
+    #: ``KERNEL_*`` variables a gateway client asked for (``protocol.kernel_env``);
+    #: the agent filters them again before the kernel gets them.
+    env: dict[str, str] = Field(default_factory=dict)
 
 
 class KernelModel(BaseModel):

@@ -9,9 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 
-from nbfleet.model.errors import ContentTooLarge
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from nbfleet.model.errors import ContentTooLarge, InvalidInput
+
+Model = TypeVar("Model", bound=BaseModel)
 
 #: Bytes gathered before each hand-off to a worker thread: large enough that the
 #: hop costs little per byte, small enough that memory stays bounded per request.
@@ -51,3 +58,33 @@ async def read_bounded(stream: AsyncIterator[bytes], limit: int, what: str) -> b
             raise ContentTooLarge(f"{what} is larger than {limit} bytes", limit=limit)
         buffer.write(chunk)
     return buffer.getvalue()
+
+
+async def json_object(request: Request, limit: int | None = None) -> dict[str, Any]:
+    """The body as a JSON object, whatever its Content-Type says: Jupyter's servers
+    accept JSON sent without one (JupyterLab sends some as ``text/plain``, Enterprise
+    Gateway's client sends none). Empty is ``{}``; anything else is a 400."""
+    raw = await request.body()
+    if limit is not None and len(raw) > limit:
+        raise InvalidInput(f"the body must be under {limit} bytes")
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidInput(f"the body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise InvalidInput("the body must be a JSON object")
+    return body
+
+
+async def json_model(request: Request, model: type[Model]) -> Model:
+    """The body as ``model`` (see :func:`json_object`); a mismatch is a 400 that says
+    which field is wrong."""
+    body = await json_object(request)
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "body"
+        raise InvalidInput(f"{where}: {first['msg']}") from None

@@ -29,11 +29,17 @@ class ProblemResponse(JSONResponse):
 
 
 def problem(status: int, title: str, detail: str, instance: str = "", **extra: Any) -> JSONResponse:
+    """``message`` and ``reason`` repeat ``detail`` and ``title``: jupyter_server's
+    gateway client reads only those two from an error body, and would otherwise
+    show a bare "HTTP 409: Conflict". A problem's own ``reason`` (a credit refusal
+    says which limit) is kept."""
     body: dict[str, Any] = {
         "type": f"https://nbfleet.dev/problems/{title.lower().replace(' ', '-')}",
         "title": title,
         "status": status,
         "detail": detail,
+        "message": detail,
+        "reason": title,
     }
     if instance:
         body["instance"] = instance

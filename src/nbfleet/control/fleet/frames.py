@@ -57,7 +57,8 @@ class ClientRequest:
             metadata.pop(BINDING_KEY, None)
             if binding is not None:
                 metadata[BINDING_KEY] = binding.model_dump(mode="json")
-            return json.dumps({**self.message, "metadata": metadata})
+            # The channel it was read as, written out: a client may have left it out.
+            return json.dumps({**self.message, "metadata": metadata, "channel": self.channel})
         assert self.parts is not None
         metadata = _loads(self.parts[2])
         metadata = dict(metadata) if isinstance(metadata, dict) else {}
@@ -89,9 +90,11 @@ def open_client_frame(frame: Frame, protocol: str | None) -> ClientRequest | Non
     if not isinstance(message, dict) or not isinstance(message.get("header"), dict):
         return None
     header = message["header"]
-    channel = message.get("channel") or "shell"
-    return ClientRequest(str(channel), str(header.get("msg_type", "")), header, None, [],
-                         message, protocol)
+    # A missing channel is shell, as the agent and jupyter_server take it; any other
+    # name is the client's to get right (the agent refuses it).
+    named = message.get("channel")
+    return ClientRequest("shell" if named is None else str(named),
+                         str(header.get("msg_type", "")), header, None, [], message, protocol)
 
 
 def execute_reply_parent(frame: Frame, protocol: str | None) -> str | None:

@@ -9,12 +9,10 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
 
-from nbfleet.control import hosts, workspaces
 from nbfleet.control.auth import Principal
 from nbfleet.control.deps import current_principal, platform_of
-from nbfleet.control.platform import Platform
-from nbfleet.model.errors import Conflict, DomainError
-from nbfleet.model.workspace import WorkspaceState
+from nbfleet.control.file_mirror import live_host
+from nbfleet.model.errors import DomainError
 from nbfleet.storage.paths import confine
 from nbfleet.storage.uploads import Upload
 from nbfleet.web.bodies import spool
@@ -23,28 +21,11 @@ from nbfleet.web.render import iso
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/workspaces/{workspace_id}/files", tags=["files"])
 
-_GONE = (WorkspaceState.DELETING, WorkspaceState.DELETED)
-
-
-def _live_host(platform: Platform, principal: Principal, workspace_id: str,
-               writing: bool) -> str | None:
-    """Check access; return the URL of the host running the workspace, if any."""
-    with platform.db.transaction(write=False) as session:
-        ws = workspaces.get_visible(session, principal, workspace_id)
-        if writing and ws.state in _GONE:
-            raise Conflict(f"workspace is {ws.state}", current_state=ws.state)
-        if ws.state != WorkspaceState.RUNNING:
-            return None
-        now = platform.db.now(session)
-        agent = hosts.alive_agent(session, ws.host_id, now, platform.config.agent_timeout_s)
-        return agent.url if agent is not None and agent.boot_id == ws.host_boot_id else None
-
-
 @router.get("", summary="List the workspace's files")
 async def list_files(workspace_id: str, request: Request,
                      principal: Principal = Depends(current_principal)) -> dict[str, Any]:
     platform = platform_of(request)
-    await asyncio.to_thread(_live_host, platform, principal, workspace_id, False)
+    await asyncio.to_thread(live_host, platform, principal, workspace_id, False)
     blobs = await asyncio.to_thread(platform.files.list, workspace_id)
     return {
         "files": [
@@ -57,7 +38,7 @@ async def list_files(workspace_id: str, request: Request,
 async def get_file(workspace_id: str, path: str, request: Request,
                    principal: Principal = Depends(current_principal)) -> Response:
     platform = platform_of(request)
-    await asyncio.to_thread(_live_host, platform, principal, workspace_id, False)
+    await asyncio.to_thread(live_host, platform, principal, workspace_id, False)
     data = await asyncio.to_thread(platform.files.get, workspace_id, path)
     media = "application/x-ipynb+json" if path.endswith(".ipynb") else "application/octet-stream"
     return Response(data, media_type=media)
@@ -78,7 +59,7 @@ async def put_file(workspace_id: str, path: str, request: Request,
     copy streamed from that file. Memory per request stays bounded."""
     platform = platform_of(request)
     clean = confine(path)
-    host = await asyncio.to_thread(_live_host, platform, principal, workspace_id, True)
+    host = await asyncio.to_thread(live_host, platform, principal, workspace_id, True)
     upload = await asyncio.to_thread(platform.files.upload, workspace_id, clean)
     try:
         size = await spool(request.stream(), upload.write, upload.limit, clean)
@@ -106,7 +87,7 @@ async def delete_file(workspace_id: str, path: str, request: Request,
                       principal: Principal = Depends(current_principal)) -> Response:
     platform = platform_of(request)
     clean = confine(path)
-    host = await asyncio.to_thread(_live_host, platform, principal, workspace_id, True)
+    host = await asyncio.to_thread(live_host, platform, principal, workspace_id, True)
     await asyncio.to_thread(platform.files.delete, workspace_id, clean)
     if host is not None:
         try:

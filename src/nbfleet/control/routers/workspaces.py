@@ -123,6 +123,17 @@ WAIT = Query(0.0, ge=0, le=300, description=(
     "final, a failed placement is retried and `last_error` says why it failed."))
 
 
+def resume_answer(body: dict[str, Any], generation: int, found_running: bool) -> dict[str, Any]:
+    """``body`` answering a resume that produced ``generation``, with the restore
+    summary of that resume only. One that found the workspace already running
+    restored nothing: it left the generation as it was (or only cancelled a suspend
+    not yet begun), so the summary on record, of the resume that started the runtime,
+    would otherwise pass for its own."""
+    if found_running:
+        return {**body, "restore": None}
+    return workspaces.for_request(body, generation)
+
+
 async def _request_state(request: Request, principal: Principal, workspace_id: str,
                          desired: DesiredState, wait: float = 0.0) -> JSONResponse:
     platform = platform_of(request)
@@ -133,21 +144,26 @@ async def _request_state(request: Request, principal: Principal, workspace_id: s
         ws = workspaces.get_visible(session, principal, workspace_id, for_update=True)
         workspaces.request_state(ws, desired, db.now(session))
         body = workspaces.to_json(ws)
-        return 202, workspaces.for_request(body, ws.generation) if resuming else body
+        if not resuming:
+            return 202, body
+        return 202, resume_answer(body, ws.generation, ws.state == WorkspaceState.RUNNING)
 
     response = await asyncio.to_thread(
         idempotent_reply, request, principal, {"desired": str(desired)}, action)
     if wait <= 0 or response.status_code >= 400:
         return response
     # The restore summary shown must be this request's (its generation), never an
-    # earlier resume's that is still recorded while this one runs.
-    generation = int(json.loads(bytes(response.body))["generation"])
+    # earlier resume's that is still recorded while this one runs. The first answer
+    # (stored, so a replay reads the same) says both what it was and where it started.
+    first = json.loads(bytes(response.body))
+    generation = int(first["generation"])
+    found_running = first["state"] == WorkspaceState.RUNNING
 
     def read() -> tuple[bool, dict[str, Any]]:
         with db.transaction(write=False) as session:
             ws = workspaces.get_visible(session, principal, workspace_id)
             body = workspaces.to_json(ws)
-            return workspaces.is_done(ws), (workspaces.for_request(body, generation)
+            return workspaces.is_done(ws), (resume_answer(body, generation, found_running)
                                             if resuming else body)
 
     deadline = time.monotonic() + wait

@@ -1,0 +1,1 @@
+"""The web dashboard at ``/``: server-rendered pages, assets in the package."""
