@@ -23,7 +23,7 @@ from nbfleet.sdk.kernel_socket import KernelSocket
 from tests.e2e.conftest import JupyterServer, attach_log, jupyter_server
 from tests.support.cluster import Cluster, create_running, token_of
 
-pytestmark = pytest.mark.timeout(360)
+pytestmark = [pytest.mark.timeout(360), pytest.mark.db_agnostic]
 
 #: How long the kernel stays suspended while jupyter_server keeps polling it.
 SUSPENDED_FOR_S = 8.0

@@ -16,7 +16,8 @@ jupyter_server's ``GatewayKernelClient.start_channels`` (2.21.1) opens the chann
 WebSocket with no credentials at all: no Authorization header, no cookie, and a URL
 built as ``ws_url + kernels_endpoint + {id}/channels`` that no setting can add a
 ``?token=`` to. Its REST calls carry ``JUPYTER_GATEWAY_AUTH_TOKEN``; its WebSocket
-does not.
+goes to ``JUPYTER_GATEWAY_WS_URL``, set to a channel ticket's URL
+(``POST /v1/workspaces/{id}/channel-tickets``): a setting, not a patch.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from nbformat.v4 import new_code_cell, new_notebook
 from tests.e2e.conftest import _isolated_env, attach_log
 from tests.support.cluster import Cluster, create_running, token_of
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.db_agnostic]
 
 #: The two places a workspace serves Jupyter's kernel API.
 GATEWAYS = {"kernel-gateway": "/v1/workspaces/{id}", "lab-server": "/w/{id}"}
@@ -124,7 +125,8 @@ def write_notebook(path: Path) -> None:
     nbformat.write(notebook, str(path))  # type: ignore[no-untyped-call]
 
 
-def run_client(tool: str, gateway_url: str, token: str, workdir: Path) -> Any:
+def run_client(tool: str, gateway_url: str, token: str, workdir: Path,
+               ws_url: str) -> Any:
     """Run ``tool`` on the demo notebook against ``gateway_url``; the executed notebook.
 
     Its working directory has no ``marker.txt``: a notebook that ran in a local
@@ -137,7 +139,7 @@ def run_client(tool: str, gateway_url: str, token: str, workdir: Path) -> Any:
     # The token goes in the environment, never on a command line.
     env.update(JUPYTER_GATEWAY_URL=gateway_url, JUPYTER_GATEWAY_AUTH_TOKEN=token,
                JUPYTER_GATEWAY_AUTH_SCHEME="token", JUPYTER_GATEWAY_REQUEST_TIMEOUT="60",
-               KERNEL_USERNAME=KERNEL_USERNAME)
+               JUPYTER_GATEWAY_WS_URL=ws_url, KERNEL_USERNAME=KERNEL_USERNAME)
     done = subprocess.run([sys.executable, "-c", RUNNER, tool, str(source), str(target)],
                           cwd=workdir, env=env, capture_output=True, text=True,
                           timeout=CLIENT_TIMEOUT_S, check=False)
@@ -165,7 +167,10 @@ def test_notebook_client_runs_a_notebook_in_the_workspace(
 ) -> None:
     gateway_url = shared_cluster.url + tenant.base(gateway)
     before = tenant.kernel_ids()
-    executed = run_client(tool, gateway_url, tenant.token, tmp_path / "run")
+    ticket = tenant.client.post(f"/v1/workspaces/{tenant.workspace_id}/channel-tickets")
+    assert ticket.status_code == 201, ticket.text
+    ws_url = ticket.json()["lab_ws_url" if gateway == "lab-server" else "ws_url"]
+    executed = run_client(tool, gateway_url, tenant.token, tmp_path / "run", ws_url)
 
     cells = executed.cells
     assert [c.source for c in cells] == CELLS

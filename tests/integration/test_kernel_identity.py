@@ -145,3 +145,35 @@ def test_a_connection_that_only_greets_leaves_the_workspace_suspended(
 
     assert asyncio.run(scenario()) == "before\n"
     assert client.get(f"/v1/workspaces/{workspace_id}").json()["state"] == "running"
+
+
+def test_a_channel_ticket_opens_only_its_own_workspaces_kernels(shared_cluster: Cluster) -> None:
+    """For clients that cannot send credentials (jupyter_server's gateway kernel
+    client): the ticket in the path is the credential, and it is narrow."""
+    owner = shared_cluster.new_user()
+    intruder = shared_cluster.new_user(org="evil", project="x")
+    mine = create_running(owner)
+    kernel_id = start_kernel(owner, mine)
+    other = create_running(owner)
+    assert intruder.post(f"/v1/workspaces/{mine}/channel-tickets").status_code == 404
+    ticket = owner.post(f"/v1/workspaces/{other}/channel-tickets").json()
+    assert ticket["ws_url"].endswith(f"/v1/workspaces/{other}")
+
+    async def connect(ws_url: str) -> str:
+        sock = await KernelSocket.connect(f"{ws_url}/api/kernels/{kernel_id}/channels")
+        try:
+            return (await sock.execute("print('in')", timeout=60)).stdout
+        finally:
+            await sock.close()
+
+    # Another workspace's ticket, a forged one: refused before anything runs.
+    with pytest.raises(Exception, match=r"401|4401"):
+        asyncio.run(connect(ticket["ws_url"].replace(other, mine)))
+    last = ticket["ticket"][-1]
+    forged = ticket["ws_url"].replace(ticket["ticket"],
+                                      ticket["ticket"][:-1] + ("0" if last != "0" else "1"))
+    with pytest.raises(Exception, match=r"401|4401"):
+        asyncio.run(connect(forged.replace(other, mine)))
+    good = owner.post(f"/v1/workspaces/{mine}/channel-tickets").json()
+    assert asyncio.run(connect(good["ws_url"])) == "in\n"
+    assert asyncio.run(connect(good["lab_ws_url"])) == "in\n"

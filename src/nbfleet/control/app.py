@@ -99,6 +99,7 @@ def create_app(config: ControlConfig, run_reconciler: bool = True) -> FastAPI:
         app.include_router(module.router)
     app.include_router(jobs.download)
     app.include_router(fleet_router.router)
+    app.include_router(gateway.ticketed)
     app.include_router(lab_router.router)
     app.include_router(dashboard_router.router)
     mount_api_docs(app)

@@ -20,6 +20,7 @@ import websockets
 from fastapi import WebSocket
 
 from nbfleet.agent.wire import V1_PROTOCOL
+from nbfleet.control import channel_tickets
 from nbfleet.control.auth import Principal
 from nbfleet.control.deps import principal_of_websocket
 from nbfleet.control.fleet.cellgate import CellGate
@@ -48,10 +49,14 @@ RECONNECT = 1012
 MAX_HELD = 64
 
 
-async def serve(websocket: WebSocket, workspace_id: str, kernel_id: str) -> None:
+async def serve(websocket: WebSocket, workspace_id: str, kernel_id: str,
+                ticket: str | None = None) -> None:
+    """``ticket``: the channel ticket in the URL's path, for clients that cannot send
+    credentials otherwise (``channel_tickets``)."""
     platform: Platform = websocket.app.state.platform
     try:
-        principal = await asyncio.to_thread(_principal, platform, websocket)
+        principal = await asyncio.to_thread(_principal, platform, websocket, workspace_id,
+                                            ticket)
         found = await running_or_resting(platform, principal, workspace_id, kernel_id)
     except DomainError as exc:
         await deny_websocket(websocket, exc)
@@ -165,7 +170,11 @@ def _sender(client: WebSocket) -> Callable[[str | bytes], Awaitable[None]]:
     return send
 
 
-def _principal(platform: Platform, websocket: WebSocket) -> Principal:
+def _principal(platform: Platform, websocket: WebSocket, workspace_id: str,
+               ticket: str | None) -> Principal:
+    if ticket is not None:
+        return channel_tickets.principal(platform.db, platform.config.secret, ticket,
+                                         workspace_id)
     return principal_of_websocket(platform, websocket)
 
 

@@ -19,13 +19,14 @@ from fastapi import APIRouter, Depends, Request, Response, WebSocket
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
+from nbfleet.control import channel_tickets, kernels, workspaces
 from nbfleet.control import kernel_channels as kernel_channels_ws
-from nbfleet.control import kernels
 from nbfleet.control.auth import Principal
 from nbfleet.control.deps import current_principal, platform_of
 from nbfleet.model.errors import NotFound
 from nbfleet.protocol.kernel_env import allowed_kernel_env
 from nbfleet.web.bodies import json_model
+from nbfleet.web.render import iso
 
 #: The Kernel Gateway routes, mounted under ``/v1/workspaces/{id}`` (documented) and
 #: under ``/w/{id}`` for JupyterLab.
@@ -138,3 +139,43 @@ async def kernel_channels(websocket: WebSocket, workspace_id: str, kernel_id: st
 #: The documented Kernel Gateway API of a workspace.
 router = APIRouter(prefix="/v1/workspaces/{workspace_id}", tags=["kernel gateway"])
 router.include_router(routes)
+
+
+class ChannelTicket(BaseModel):
+    ticket: str
+    expires_at: str
+    #: ``JUPYTER_GATEWAY_WS_URL`` for a gateway URL of ``/v1/workspaces/{id}``.
+    ws_url: str
+    #: The same for nbfleet's Lab server (``/w/{id}``).
+    lab_ws_url: str
+
+
+@router.post("/channel-tickets", status_code=201, response_model=ChannelTicket,
+             summary="A ticket for kernel WebSockets of clients that send no credentials")
+def new_channel_ticket(workspace_id: str, request: Request,
+                       principal: Principal = Depends(current_principal)) -> ChannelTicket:
+    """jupyter_server's gateway kernel client (nbclient, papermill) opens kernel
+    WebSockets without credentials: set ``JUPYTER_GATEWAY_WS_URL`` to ``ws_url``.
+    The ticket opens this workspace's kernel channels only, for 12 hours."""
+    platform = platform_of(request)
+    with platform.db.transaction(write=False) as session:
+        workspaces.get_visible(session, principal, workspace_id)
+        now = platform.db.now(session)
+    ticket, expires = channel_tickets.issue(platform.config.secret, principal.user_id,
+                                            workspace_id, now)
+    scheme = "wss" if request.url.scheme == "https" else "ws"
+    base = f"{scheme}://{request.url.netloc}/t/{ticket}"
+    return ChannelTicket(ticket=ticket, expires_at=iso(expires) or "",
+                         ws_url=f"{base}/v1/workspaces/{workspace_id}",
+                         lab_ws_url=f"{base}/w/{workspace_id}")
+
+
+#: Kernel channels authenticated by a ticket in the path (``channel_tickets``).
+ticketed = APIRouter(include_in_schema=False)
+
+
+@ticketed.websocket("/t/{ticket}/v1/workspaces/{workspace_id}/api/kernels/{kernel_id}/channels")
+@ticketed.websocket("/t/{ticket}/w/{workspace_id}/api/kernels/{kernel_id}/channels")
+async def ticketed_channels(websocket: WebSocket, ticket: str, workspace_id: str,
+                            kernel_id: str) -> None:
+    await kernel_channels_ws.serve(websocket, workspace_id, kernel_id, ticket=ticket)
