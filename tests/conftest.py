@@ -18,14 +18,35 @@ from tests.support.cluster import Cluster
 PG_ADMIN_URL = os.environ.get("NBFLEET_TEST_PG")
 
 
+#: Modules whose tests use the database only on the way to what they test (kernels,
+#: the sandbox, file sync, the Jupyter protocols, clients, the CLI): their SQL is
+#: the same few reads and writes every other test covers, so the PostgreSQL pass
+#: skips them (``db_agnostic``). What stays there tests what the database decides:
+#: the ledger, jobs, leases and crashes, idempotency, tenancy queries, the GPU
+#: scheduler's persisted placements, the dashboard's keyset pages, sessions.
+DB_AGNOSTIC_MODULES = frozenset({
+    "test_kernel_process", "test_kernel_state", "test_suspend_resume",
+    "test_unstorable_values", "test_egress", "test_files", "test_uploads", "test_secrets",
+    "test_metrics", "test_smoke", "test_embedded", "test_cli", "test_cli_output",
+    "test_api_docs", "test_file_sync", "test_jupyter_protocol", "test_lab_server",
+    "test_kernel_identity", "test_gateway", "test_cell_bindings_agent", "test_job_runner",
+    "test_quotas", "test_kernel_escape",
+})
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Unit tests cover the pure layers (their few DB tests use SQLite on purpose),
     so they are the same on either database: the PostgreSQL pass (``-m "not
-    no_db"``) skips them."""
-    unit = Path(__file__).parent / "unit"
+    no_db"``) skips them. End-to-end tests drive clients and the modules in
+    ``DB_AGNOSTIC_MODULES`` do not test the database: that pass skips them too."""
+    here = Path(__file__).parent
+    unit, e2e = here / "unit", here / "e2e"
     for item in items:
-        if unit in Path(str(item.fspath)).parents:
+        path = Path(str(item.fspath))
+        if unit in path.parents:
             item.add_marker(pytest.mark.no_db)
+        elif e2e in path.parents or path.stem in DB_AGNOSTIC_MODULES:
+            item.add_marker(pytest.mark.db_agnostic)
 
 
 @contextlib.contextmanager

@@ -81,6 +81,22 @@ def test_control_restart_adopts_running_kernels(cluster: Cluster) -> None:
     assert events_of(client, ws)[-1] == ("creating", "running")  # no re-placement happened
 
 
+def test_a_control_plane_down_longer_than_the_agent_timeout_loses_no_kernel(
+        cluster: Cluster) -> None:
+    """While no control plane runs, agents' heartbeats fail because of us: a restart
+    slower than the agent timeout (10 s) must not declare every host dead."""
+    client = cluster.new_user()
+    ws = create_running(client)
+    run = _runner(cluster, client, ws, start_kernel(client, ws))
+    before = run("import os; pid = os.getpid(); print(pid)")
+    cluster.kill_control()
+    time.sleep(12)
+    cluster.start_control()
+    time.sleep(3)  # a reconciler tick or more, with every heartbeat older than 10 s
+    assert run("print(pid)") == before
+    assert events_of(client, ws)[-1] == ("creating", "running")  # not re-placed
+
+
 def test_kill_agent_while_running_replaces_the_runtime(cluster: Cluster) -> None:
     client = cluster.new_user()
     ws = create_running(client)

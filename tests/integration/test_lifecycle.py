@@ -107,7 +107,9 @@ def test_resume_starts_new_kernel_processes_with_the_same_ids_and_state(
     wait_state(client, ws, "suspended")
     # The kernel's own file was synced back to the blob store on suspend.
     assert client.get(f"/v1/workspaces/{ws}/files/made-by-kernel.txt").content == b"hi"
-    assert client.get(f"/v1/workspaces/{ws}/api/kernels").json() == []
+    # No process now, but the kernel keeps its id (it rests).
+    resting = client.get(f"/v1/workspaces/{ws}/api/kernels").json()
+    assert [(k["id"], k["execution_state"]) for k in resting] == [(kernel, "suspended")]
     client.post(f"/v1/workspaces/{ws}/resume")
     wait_state(client, ws, "running")
     kernels = client.get(f"/v1/workspaces/{ws}/api/kernels").json()

@@ -230,6 +230,18 @@ def test_a_revoked_or_expired_session_no_longer_works(site: Site) -> None:
     assert other.get("/v1/workspaces").status_code == 401
 
 
+def test_housekeeping_purges_sessions_long_expired_and_keeps_live_ones(site: Site) -> None:
+    stale = site.signed_in(site.alice)
+    with site.db.transaction() as session:
+        session.execute(update(WebSession).values(
+            expires_at=site.db.now(session) - timedelta(days=2)))
+    live = site.signed_in(site.alice)
+    assert websessions.purge_expired(site.db) == 1
+    with site.db.transaction(write=False) as session:
+        assert session.execute(select(func.count()).select_from(WebSession)).scalar_one() == 1
+    assert live.get("/").status_code == 200 and stale.get("/").status_code == 303
+
+
 def test_signing_in_again_replaces_the_session(site: Site) -> None:
     browser = site.signed_in(site.alice)
     first = browser.cookies["nbfleet_session"]

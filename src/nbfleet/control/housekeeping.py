@@ -8,7 +8,7 @@ from datetime import timedelta
 
 from sqlalchemy import delete
 
-from nbfleet.control import leases
+from nbfleet.control import leases, websessions
 from nbfleet.control.platform import Platform
 from nbfleet.db.engine import rows_affected
 from nbfleet.db.tables import IdempotencyKey
@@ -40,6 +40,9 @@ async def run_forever(platform: Platform) -> None:
                 purged = await asyncio.to_thread(purge_idempotency_keys, platform, token)
                 if purged:
                     log.info("purged %d expired idempotency keys", purged)
+                sessions = await asyncio.to_thread(websessions.purge_expired, platform.db)
+                if sessions:
+                    log.info("purged %d expired browser sessions", sessions)
         except Exception:
             log.exception("housekeeping failed")
         await asyncio.sleep(INTERVAL_S)

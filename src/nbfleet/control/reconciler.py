@@ -96,6 +96,8 @@ class Reconciler:
         self.db = platform.db
         self.token: int | None = None
         self._slots = asyncio.Semaphore(PARALLEL)
+        #: When this replica took the lease (DB clock): see ``_mark_dead_hosts``.
+        self._in_charge_since: datetime | None = None
 
     async def run_forever(self) -> None:
         wake = self.platform.bind_loop()
@@ -119,6 +121,7 @@ class Reconciler:
             fleet.stand_down()
             return
         if fleet.token != self.token:
+            self._in_charge_since = None
             await fleet.take_over(self.token)
         await asyncio.to_thread(self._mark_dead_hosts)
         await fleet.sync_hosts()
@@ -131,10 +134,19 @@ class Reconciler:
             raise LeaseLost()
 
     def _mark_dead_hosts(self) -> None:
+        """Hosts whose heartbeats stopped lose their runtimes, but only once this
+        replica has been in charge for a whole timeout: after a control-plane restart
+        (or while no replica was up) heartbeats failed because of us, not the hosts,
+        and a restart slower than the timeout would otherwise re-place every
+        workspace and lose its running cells."""
         timeout = self.platform.config.agent_timeout_s
         with self.db.transaction() as session:
             self._check_lease(session)
             now = self.db.now(session)
+            if self._in_charge_since is None:
+                self._in_charge_since = now
+            if (now - self._in_charge_since).total_seconds() < timeout:
+                return
             for host_id in hosts.dead_hosts_with_runtimes(session, now, timeout):
                 lost = hosts.runtimes_lost(session, host_id, now, "host stopped heartbeating")
                 log.warning("host %s is dead; %d workspaces will be re-placed", host_id, lost)
