@@ -23,8 +23,8 @@ up: $(STAMP)
 
 ## Lint, type-check, then the whole suite on SQLite (NBFLEET_TEST_PG emptied for it), and
 ## again on PostgreSQL when NBFLEET_TEST_PG names a server (e.g.
-## postgresql://postgres@127.0.0.1:5432/postgres): every test that touches the database;
-## those marked no_db would only repeat.
+## postgresql://postgres@127.0.0.1:5432/postgres): the tests of what the database
+## decides; those marked no_db or db_agnostic (tests/conftest.py) would only repeat.
 test: check
 	NBFLEET_TEST_PG= $(BIN)/python -m pytest $(XDIST)
 	@if [ -n "$$NBFLEET_TEST_PG" ]; then \
