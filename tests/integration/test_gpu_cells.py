@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -262,7 +263,7 @@ def test_kill_9_of_the_control_plane_neither_loses_nor_doubles_a_gpu(tmp_path: P
             async def hold_the_gpu() -> None:
                 sock = await connect(cluster, first, ws1, k1)
                 request = sock.message("execute_request", {
-                    "code": "import time; time.sleep(20)", "silent": False}, "shell")
+                    "code": "import time; time.sleep(40)", "silent": False}, "shell")
                 await sock.send(request)
                 await asyncio.to_thread(wait_until, lambda: fleet(cluster)["running"], 20, 0.05,
                                         "the cell running")
@@ -270,6 +271,9 @@ def test_kill_9_of_the_control_plane_neither_loses_nor_doubles_a_gpu(tmp_path: P
 
             asyncio.run(hold_the_gpu())
             cluster.kill_control()
+            # Down longer than the agent timeout (10 s): the agent's heartbeats lapse,
+            # and the host must still come back with its running cell.
+            time.sleep(12)
             cluster.start_control()
             # The rebuilt model knows the GPU is busy: the agent reported the cell.
             view = wait_until(lambda: fleet_or_none(cluster), 30, 0.1, "the fleet view")

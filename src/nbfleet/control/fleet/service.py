@@ -70,6 +70,7 @@ class FleetService:
         self.token: int | None = None
         self.gates = GateRegistry()
         self._host_urls: dict[str, str] = {}
+        self._missing_placed: set[str] = set()
         self._last_tick = self._last_reap = self._last_report = float("-inf")
         #: No autoscaler pass before this (scheduler clock): see ``take_over``.
         self._scale_from = float("inf")
@@ -100,6 +101,9 @@ class FleetService:
         """This replica now holds the lease: rebuild the model from the facts."""
         fleet, kernels = await asyncio.to_thread(facts.placed, self.platform)
         self._host_urls = {host_id: url for host_id, _, url in fleet}
+        # Hosts kernels are placed on that this rebuild could not count (not alive):
+        # if one comes back, the model is rebuilt with it (``sync_hosts``).
+        self._missing_placed = {h for k in kernels for h in k.host_ids} - set(self._host_urls)
         cells = await facts.reported_cells(self.platform, fleet)
         policy = self.new_policy([(h, inv) for h, inv, _ in fleet])
         if self.meter is not None:
@@ -195,10 +199,21 @@ class FleetService:
         alive_hosts = await asyncio.to_thread(facts.alive_hosts, self.platform)
         alive = {host_id for host_id, _, _ in alive_hosts}
         self.scaler.forget_gone(alive)
+        returned = []
         for host_id, inventory, url in alive_hosts:
             self._host_urls[host_id] = url
             if host_id not in scheduler.policy.hosts and host_id not in self.scaler.draining:
-                scheduler.host_joined(host_id, inventory)
+                if host_id in self._missing_placed:
+                    returned.append(host_id)
+                else:
+                    scheduler.host_joined(host_id, inventory)
+        if returned and self.token is not None:
+            # A host the model's kernels are placed on, missing from the last rebuild
+            # (its heartbeats had lapsed while no control plane ran): rebuild with it,
+            # so the cells its agent reports running hold their GPUs again.
+            log.info("hosts %s came back with placed kernels: rebuilding", returned)
+            await self.take_over(self.token)
+            return
         self.scaler.settle_provisioning(scheduler)
         for host_id in [h for h in scheduler.policy.hosts if h not in alive]:
             lost = scheduler.host_lost(host_id)
