@@ -366,3 +366,62 @@ def test_a_replay_that_hangs_is_stopped_and_the_restore_completes(
     reply, _, elapsed = b.execute("import time\ntime.sleep(1.2)\nok = list(gen)")
     assert reply["status"] == "ok" and elapsed >= 1.2
     assert b.value("ok") == [0, 1, 2]
+
+
+#: Issue 16: sharing, consumption, settings and a report that is never wrong, into a
+#: kernel that is really fresh (another process: another hash seed, no figures).
+CELLS_16 = [
+    "%matplotlib inline",
+    "import numpy as np, random, os, sys\nimport matplotlib.pyplot as plt",
+    "base = np.arange(10.0)\nview = base[::2]\nl1 = l2 = [1, 2]\n"
+    "words = {'alpha', 'beta', 'gamma', 'delta', 'epsilon'}",
+    "fig, ax = plt.subplots()\nax.plot([1, 2, 3])\nax.set_title('t')",
+    "plt.style.use('ggplot')\nrandom.seed(1)\nnp.random.seed(2)\n"
+    "os.environ['NBF_ISSUE16'] = '1'\nsys.path.append('extra')",
+    "it = iter([1, 2, 3])",
+    "for x in it:\n    break",
+    "class Drifts:\n    def __init__(self):\n        self.n = 1\n"
+    "    def __setstate__(self, state):\n        self.__dict__.update(state)\n"
+    "        self.n += 1\nd = Drifts()",
+    "21 * 2",
+]
+
+
+def test_a_fresh_kernel_gets_graphs_settings_and_a_true_report(
+        start_kernel: Callable[[str], Kernel], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MPLBACKEND", "agg")  # as the agent starts kernels
+    a = start_kernel("a")
+    for code in CELLS_16:
+        time.sleep(0.05)  # a person's pause: the capture worker keeps up
+        a.cell(code)
+    a.call(FLUSH)
+    expected = a.value("[random.random(), float(np.random.rand())]")
+
+    b = start_kernel("b")
+    assert "inline" not in b.value("__import__('matplotlib').get_backend()")
+    copy_snapshot(a.state_dir, b.state_dir)
+    report = b.call(RESTORE)
+    assert {"base", "view", "l1", "l2", "words", "it", "fig", "ax"} <= set(report["restored"])
+    assert report["changed"] == ["d"]
+    [drift] = [item for item in report["lost"] if item["name"] == "d"]
+    assert drift["status"] == "changed" and "came back different" in drift["reason"]
+    assert [item for item in report["lost"] if item["name"] != "d"] == []
+    assert {"matplotlib backend", "matplotlib rcParams", "random state", "numpy.random state",
+            "sys.path", "environment variables", "Out", "execution count"} <= set(
+                report["settings"])
+    checks = {
+        "view shares": "bool(np.shares_memory(view, base)) and view.base is base",
+        "aliases": "l1 is l2",
+        "consumed": "list(it) == [2, 3]",
+        "figure": "ax.figure is fig and ax.get_title() == 't'",
+        "inline": "'inline' in __import__('matplotlib').get_backend()",
+        "style": "plt.rcParams['axes.facecolor'] == '#E5E5E5'",
+        "env and path": "os.environ['NBF_ISSUE16'] == '1' and sys.path[-1] == 'extra'",
+        "Out": "Out[9] == 42 and _ == 42",
+        "words": "words == {'alpha', 'beta', 'gamma', 'delta', 'epsilon'}",
+    }
+    for what, expression in checks.items():
+        assert b.value(f"bool({expression})") is True, what
+    assert b.value("[random.random(), float(np.random.rand())]") == expected
+    reply, _, _ = b.execute("n = 1")
+    assert reply["execution_count"] == 10  # the counter went on from where it was

@@ -37,6 +37,9 @@ class BlobStore:
             raise ValueError(f"not a sha256: {sha!r}")
         return self.directory / sha
 
+    def has(self, sha: str) -> bool:
+        return self.path(sha).exists()
+
     def put(self, data: memoryview) -> Ref:
         """Store ``data`` (inline if small); writes only if the blob is new."""
         if data.nbytes < INLINE_LIMIT:

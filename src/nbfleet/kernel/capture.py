@@ -1,10 +1,11 @@
 """Tracks which user names each cell changed and pickles them in the background.
 
 The main thread only diffs the namespace, scans the cell and grabs references
-(well under a millisecond); pickling, hashing and writing blobs happen on one
-worker thread while the user reads the output. Pickling an object while the
-next cell mutates it would give a torn value, so every cell start bumps an
-epoch and the worker drops whatever it pickled across an epoch change.
+(well under a millisecond); pickling, checking, hashing and writing blobs happen
+on one worker thread while the user reads the output (see
+:mod:`nbfleet.kernel.cycle` for what a pass does and costs). Pickling an object
+while the next cell mutates it would give a torn value, so every cell start
+bumps an epoch and the worker drops whatever it pickled across an epoch change.
 """
 
 from __future__ import annotations
@@ -18,33 +19,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nbfleet.kernel import cellscan, codec
+from nbfleet.kernel import cellscan, settings
 from nbfleet.kernel.blobs import BlobStore, ChangedWhileStoring
+from nbfleet.kernel.cycle import OUT, Cycle, Failed, Record, Saved
 from nbfleet.kernel.recipes import CellRecord, RecipeBook, can_change_in_place
+from nbfleet.kernel.tokens import ShaCache
+
+__all__ = ["OUT", "Capture", "Failed", "Record", "Saved"]
 
 log = logging.getLogger("nbfleet.kernel")
 
 
 @dataclass(frozen=True)
-class Pickled:
-    entry: codec.Entry
-    obj_id: int
-
-
-@dataclass(frozen=True)
-class Failed:
-    type: str
-    reason: str
-    obj_id: int
-
-
-Record = Pickled | Failed
-
-
-@dataclass(frozen=True)
 class _Job:
     epoch: int
-    items: list[tuple[str, int, object]]  # name, dirty mark, the value at cell end
+    mark: int
+    roots: dict[str, object]  # every root's value at cell end
 
 
 class Capture:
@@ -62,11 +52,17 @@ class Capture:
         self.still_lost: dict[str, dict[str, str]] = {}
         self.recipes = RecipeBook()
         self.records: dict[str, Record] = {}
+        # Outputs left out of Out because they cannot be pickled, by "Out[n]".
+        self.dropped_outputs: dict[str, dict[str, str]] = {}
+        self.calls = settings.CallLog()
+        self.baseline: settings.Baseline | None = None
         self.last_post_run_seconds = 0.0
+        self._cache = ShaCache()
         self._lock = threading.Lock()
         self._epoch = 0
         self._mark = 0
         self._dirty: dict[str, int] = {}  # name -> mark of the cell that dirtied it
+        self._outputs: tuple[int, Any] = (0, None)  # Out's size and last key when last seen
         self._before: list[dict[str, int]] = []  # a stack: cells can run cells
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._worker = threading.Thread(target=self._work, name="nbfleet-capture", daemon=True)
@@ -74,6 +70,7 @@ class Capture:
     # -- lifecycle -----------------------------------------------------------
 
     def start(self) -> None:
+        self.baseline = settings.Baseline.take(self.shell)
         self.shell.events.register("pre_run_cell", self.pre_run_cell)
         self.shell.events.register("post_run_cell", self.post_run_cell)
         self._worker.start()
@@ -87,6 +84,10 @@ class Capture:
         self._queue.put(None)
         self._worker.join(timeout=30)
 
+    def idle(self) -> None:
+        """Wait until the worker has dealt with every cell so far (a pause, in tests)."""
+        self._queue.join()
+
     def quiesce(self) -> None:
         """Let the worker finish, and void anything it was about to commit."""
         self._queue.join()
@@ -97,14 +98,30 @@ class Capture:
 
     def user_ids(self) -> dict[str, int]:
         """``{name: id(value)}`` of user names: no ``_x``, no IPython-provided values."""
+        return {name: id(value) for name, value in self._user_values().items()}
+
+    def _user_values(self) -> dict[str, object]:
         hidden = self.shell.user_ns_hidden
         missing = object()
         return {
-            name: id(value)
+            name: value
             for name, value in self.shell.user_ns.items()
             if isinstance(name, str) and not name.startswith("_")
             and hidden.get(name, missing) is not value
         }
+
+    def _output_history(self) -> dict[Any, object] | None:
+        history = getattr(self.shell, "history_manager", None)
+        outputs = getattr(history, "output_hist", None)
+        return outputs if isinstance(outputs, dict) else None
+
+    def roots(self) -> dict[str, object]:
+        """What a snapshot saves: the user names, and ``Out`` as a pseudo-name."""
+        roots = self._user_values()
+        outputs = self._output_history()
+        if outputs:
+            roots[OUT] = dict(outputs)
+        return roots
 
     # -- IPython hooks (main thread) -----------------------------------------
 
@@ -129,11 +146,15 @@ class Capture:
         after = self.user_ids()
         before = self._before.pop() if self._before else {}
         scan = cellscan.scan(source, self.footprints)
+        ns = self.shell.user_ns
 
         changed = {name for name, ident in after.items() if before.get(name) != ident}
         defined = changed | (scan.defined & after.keys())
         deleted = (before.keys() - after.keys()) | ((scan.deleted | scan.defined) - after.keys())
-        touched = scan.mutated & after.keys()
+        # ``for x in it:`` advances an iterator the cell never calls a method of
+        consumed = {name for name in scan.iterated & after.keys()
+                    if hasattr(type(ns[name]), "__next__")}
+        touched = (scan.mutated & after.keys()) | consumed
         if touched:  # ``b = a`` earlier: mutating b changed a too
             ids = {after[name] for name in touched}
             touched |= {name for name, ident in after.items() if ident in ids}
@@ -141,6 +162,8 @@ class Capture:
         success = bool(result.success)
 
         self._track_imports(scan, success, after)
+        if success:
+            self.calls.record(scan.settings)
         for name, footprint in scan.functions.items():
             self.footprints[name] = footprint
         for name in (defined - scan.functions.keys()) | deleted:
@@ -149,7 +172,6 @@ class Capture:
             self.definitions.pop(name, None)
         self.definitions.update((name, source) for name, source in scan.definitions.items()
                                 if name in after)
-        ns = self.shell.user_ns
         if defined or mutated:
             cell = CellRecord(
                 source, success, scan.uses_magic,
@@ -166,7 +188,15 @@ class Capture:
             for name in deleted:
                 self._dirty.pop(name, None)
                 self.records.pop(name, None)
-        self._dirty_and_submit(defined | mutated)
+        self._dirty_and_submit(defined | mutated | self._outputs_changed())
+
+    def _outputs_changed(self) -> set[str]:
+        outputs = self._output_history() or {}
+        seen = (len(outputs), next(reversed(outputs)) if outputs else None)
+        if seen == self._outputs:
+            return set()
+        self._outputs = seen
+        return {OUT}
 
     def _track_imports(self, scan: cellscan.CellScan, success: bool, after: dict[str, int]) -> None:
         for statement in scan.imports:
@@ -179,15 +209,13 @@ class Capture:
             self.imports.append(statement)
 
     def _dirty_and_submit(self, names: set[str]) -> None:
-        ns = self.shell.user_ns
+        roots = self.roots()
         with self._lock:
             self._mark += 1
             for name in names:
                 self._dirty[name] = self._mark
-            items = [(name, mark, ns[name]) for name, mark in self._dirty.items() if name in ns]
-            epoch = self._epoch
-        if items:
-            self._queue.put(_Job(epoch, items))
+            job = _Job(self._epoch, self._mark, roots)
+        self._queue.put(job)
 
     # -- the worker ----------------------------------------------------------
 
@@ -195,6 +223,13 @@ class Capture:
         while True:
             job = self._queue.get()
             try:
+                while job is not None:  # only the latest cell's view matters
+                    try:
+                        newer = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    self._queue.task_done()
+                    job = newer
                 if job is None:
                     return
                 self._run(job)
@@ -204,64 +239,79 @@ class Capture:
                 del job
                 self._queue.task_done()
 
-    def _run(self, job: _Job) -> None:
-        for name, mark, value in job.items:
-            with self._lock:
-                if self._epoch != job.epoch:
-                    return  # a cell is running: its end will resubmit what is dirty
-                if self._dirty.get(name) != mark:
-                    continue
-            try:
-                record = self.encode(value)
-            except ChangedWhileStoring:
-                return  # mutated under us: only possible if a cell is running
-            with self._lock:
-                if self._epoch != job.epoch:
-                    return  # the value may have changed while we pickled it
-                if self._dirty.get(name) == mark:
-                    self.records[name] = record
-                    del self._dirty[name]
+    def _valid(self, epoch: int) -> bool:
+        with self._lock:
+            return self._epoch == epoch
 
-    def encode(self, value: object) -> Record:
+    def _run(self, job: _Job) -> None:
+        with self._lock:
+            if self._epoch != job.epoch:
+                return  # a cell is running: its end will submit again
+            dirty = set(self._dirty)
+            records = dict(self.records)
+        cycle = Cycle(records, job.roots, dirty, self.shell.user_ns, self.store, self._cache,
+                      lambda: self._valid(job.epoch))
         try:
-            return Pickled(codec.encode(value, self.shell.user_ns, self.store), id(value))
-        except codec.Unpicklable as error:
-            return Failed(codec.type_name(value), str(error), id(value))
+            result = cycle.run()
+        except ChangedWhileStoring:
+            return  # mutated under us: only possible if a cell is running
+        if result is None:
+            return
+        with self._lock:
+            if self._epoch != job.epoch:
+                return  # the values may have changed while we pickled them
+            self._commit(result, job.mark, cycle.dropped_outputs)
+
+    def _commit(self, result: dict[str, Record], mark: int,
+                dropped: dict[str, dict[str, str]]) -> None:
+        """Under the lock: adopt a cycle's records; names dirtied since stay dirty."""
+        for name, record in result.items():
+            self.records[name] = record
+            if self._dirty.get(name, mark + 1) <= mark:
+                del self._dirty[name]
+        if OUT in result:
+            self.dropped_outputs = dropped
 
     # -- flush support (main thread, no cell running) ---------------------------
 
     def settle(self) -> dict[str, Record]:
-        """Wait for the worker, then pickle what is still dirty; returns every record."""
+        """Wait for the worker, then check every group exactly; returns every record."""
         self._queue.join()
-        ns = self.shell.user_ns
-        current = self.user_ids()
-        with self._lock:
-            for name in [n for n in self.records if n not in current]:
-                del self.records[name]
-            todo = [
-                name for name, ident in current.items()
-                if name in self._dirty or name not in self.records
-                or self.records[name].obj_id != ident  # rebound where no hook could see
-            ]
-        for name in todo:
-            try:
-                record = self.encode(ns[name])
-            except ChangedWhileStoring:  # a user thread is writing to it: try once more
-                record = self.encode(ns[name])
+        for attempt in (1, 2):
+            roots = self.roots()
             with self._lock:
-                self.records[name] = record
-                self._dirty.pop(name, None)
+                for name in [n for n in self.records if n not in roots]:
+                    del self.records[name]
+                dirty = set(self._dirty)
+                records = dict(self.records)
+                mark = self._mark
+            cycle = Cycle(records, roots, dirty, self.shell.user_ns, self.store, None,
+                          lambda: True)
+            try:
+                result = cycle.run()
+            except ChangedWhileStoring:  # a user thread is writing to it: try once more
+                if attempt == 2:
+                    raise
+                continue
+            with self._lock:
+                self._commit(result or {}, mark, cycle.dropped_outputs)
+            break
         return dict(self.records)
 
     def adopt(self, records: dict[str, Record], imports: list[str],
               footprints: dict[str, frozenset[str]], recipes: dict[str, list[str]],
               definitions: dict[str, str] | None = None,
-              lost: dict[str, dict[str, str]] | None = None) -> None:
-        """After a restore: the restored values are clean and keep their blobs."""
+              lost: dict[str, dict[str, str]] | None = None,
+              changed: set[str] | None = None) -> None:
+        """After a restore: the restored values are clean and keep their blobs, except
+        ``changed`` ones (restored, but not equal to what was saved): saved again."""
         with self._lock:
             for name, record in records.items():
                 self.records[name] = record
                 self._dirty.pop(name, None)
+            self._mark += 1
+            for name in changed or ():
+                self._dirty[name] = self._mark
         for statement in imports:
             if statement not in self.imports:
                 self.imports.append(statement)
@@ -270,3 +320,5 @@ class Capture:
         self.still_lost.update(lost or {})
         for name, sources in recipes.items():
             self.recipes.seed(name, sources, self.footprints)
+        outputs = self._output_history() or {}
+        self._outputs = (len(outputs), next(reversed(outputs)) if outputs else None)

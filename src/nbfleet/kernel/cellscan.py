@@ -33,6 +33,11 @@ class CellScan:
     definitions: Mapping[str, str] = field(default_factory=dict)
     """Source of each ``def f`` / ``f = lambda ...`` at module level: a later cell's
     replay re-defines the function from it (see :mod:`nbfleet.kernel.purity`)."""
+    iterated: frozenset[str] = frozenset()
+    """Names iterated over (``for x in it``): an iterator among them was consumed."""
+    settings: tuple[str, ...] = ()
+    """Top-level calls that configure the kernel rather than compute a value
+    (``%matplotlib inline``, ``init_printing()``): replayed on resume."""
 
 
 def scan(source: str, footprints: Mapping[str, frozenset[str]]) -> CellScan:
@@ -60,7 +65,29 @@ def scan(source: str, footprints: Mapping[str, frozenset[str]]) -> CellScan:
         uses_magic=_calls_get_ipython(tree),
         definitions={name: source for name, source in visitor.definitions.items()
                      if source is not None},
+        iterated=frozenset(visitor.iterated),
+        settings=tuple(ast.unparse(stmt) for stmt in tree.body if _is_setting(stmt)),
     )
+
+
+#: Calls whose effect is kernel configuration (display formatters), not a value.
+SETTING_CALLS = frozenset({"init_printing", "init_session"})
+#: Line magics that configure the kernel and are replayed as they were typed.
+SETTING_MAGICS = frozenset({"matplotlib", "autoreload", "xmode"})
+
+
+def _is_setting(stmt: ast.stmt) -> bool:
+    if not isinstance(stmt, ast.Expr) or not isinstance(stmt.value, ast.Call):
+        return False
+    call = stmt.value
+    func = call.func
+    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+    if name in SETTING_CALLS:
+        return True
+    return (name == "run_line_magic" and isinstance(func, ast.Attribute)
+            and isinstance(func.value, ast.Call) and _calls_get_ipython(func.value)
+            and bool(call.args) and isinstance(call.args[0], ast.Constant)
+            and call.args[0].value in SETTING_MAGICS)
 
 
 def _root(node: ast.expr) -> str | None:
@@ -101,6 +128,7 @@ class _ModuleScope(ast.NodeVisitor):
         self.deleted: set[str] = set()
         self.loaded: set[str] = set()
         self.called: set[str] = set()
+        self.iterated: set[str] = set()
         self.imports: list[str] = []
         self.functions: dict[str, frozenset[str]] = {}
         # None: bound more than once by the cell, so which source made it is unknown.
@@ -183,7 +211,14 @@ class _ModuleScope(ast.NodeVisitor):
 
     # -- statements ----------------------------------------------------------
 
+    def _iterate(self, node: ast.expr) -> None:
+        root = _root(node)
+        if root is not None:
+            sources = self._comp_sources(root)
+            self.iterated |= {root} if sources is None else sources
+
     def visit_For(self, node: ast.For | ast.AsyncFor) -> None:
+        self._iterate(node.iter)
         self.visit(node.iter)
         self.visit(node.target)
         outer, self.mutated = self.mutated, set()
@@ -274,6 +309,7 @@ class _ModuleScope(ast.NodeVisitor):
     ) -> None:
         scope: dict[str, frozenset[str]] = {}
         # The first iterable is evaluated in the enclosing scope.
+        self._iterate(node.generators[0].iter)
         self.visit(node.generators[0].iter)
         self._comp_scopes.append(scope)
         try:

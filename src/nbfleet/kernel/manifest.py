@@ -2,6 +2,8 @@
 
 The agent moves manifests between machines; one that does not validate is a
 corrupt snapshot, reported as ValueError before anything touches the namespace.
+Format 1 grew ``groups`` (one pickle for several names), per-name ``digest`` and
+``shape``, and ``settings``; manifests without them still read.
 """
 
 from __future__ import annotations
@@ -47,16 +49,38 @@ def _check_ref(ref: object, where: str) -> None:
         _check(isinstance(ref.get("inline"), str), f"{where} has no inline data or blob")
 
 
-def _check_value(name: str, entry: object) -> None:
-    _check(isinstance(entry, dict), f"value {name!r} is not an object")
-    assert isinstance(entry, dict)
-    _check(entry.get("pickler") in PICKLERS, f"value {name!r} has an unknown pickler")
-    _check(isinstance(entry.get("type"), str), f"value {name!r} has no type")
-    _check_ref(entry.get("stream"), f"value {name!r} stream")
+def _check_pickle(entry: dict[str, Any], what: str) -> None:
+    _check(entry.get("pickler") in PICKLERS, f"{what} has an unknown pickler")
+    _check_ref(entry.get("stream"), f"{what} stream")
     buffers = entry.get("buffers", [])
-    _check(isinstance(buffers, list), f"value {name!r} buffers is not a list")
+    _check(isinstance(buffers, list), f"{what} buffers is not a list")
     for index, ref in enumerate(buffers):
-        _check_ref(ref, f"value {name!r} buffer {index}")
+        _check_ref(ref, f"{what} buffer {index}")
+
+
+def _check_value(name: str, entry: object, groups: list[Any]) -> None:
+    what = f"value {name!r}"
+    _check(isinstance(entry, dict), f"{what} is not an object")
+    assert isinstance(entry, dict)
+    _check(isinstance(entry.get("type"), str), f"{what} has no type")
+    for key in ("digest", "shape"):
+        _check(isinstance(entry.get(key, ""), str), f"{what} {key} is not a string")
+    if "group" in entry:
+        index = entry["group"]
+        _check(type(index) is int and 0 <= index < len(groups)
+               and name in groups[index]["names"], f"{what} names a group it is not in")
+    else:
+        _check_pickle(entry, what)
+
+
+def _check_group(index: int, group: object) -> None:
+    what = f"group {index}"
+    _check(isinstance(group, dict), f"{what} is not an object")
+    assert isinstance(group, dict)
+    names: Any = group.get("names")
+    _check(_is_str_list(names) and len(names) == len(set(names)) > 0, f"{what} has bad names")
+    _check(group.get("pickler") != "module", f"{what} cannot be a module")
+    _check_pickle(group, what)
 
 
 def parse(text: str | bytes) -> dict[str, Any]:
@@ -68,10 +92,17 @@ def parse(text: str | bytes) -> dict[str, Any]:
     _check(isinstance(doc, dict), "not a JSON object")
     _check(doc.get("format") == FORMAT, f"format is {doc.get('format')!r}, not {FORMAT}")
     _check(_is_str_list(doc.get("imports", [])), "imports is not a list of strings")
+    groups = doc.get("groups", [])
+    _check(isinstance(groups, list), "groups is not a list")
+    for index, group in enumerate(groups):
+        _check_group(index, group)
     values = doc.get("values", {})
     _check(isinstance(values, dict), "values is not an object")
     for name, entry in values.items():
-        _check_value(name, entry)
+        _check_value(name, entry, groups)
+    if "settings" in doc:
+        _check(isinstance(doc["settings"], dict), "settings is not an object")
+        _check_pickle(doc["settings"], "settings")
     recipes = doc.get("recipes", {})
     _check(isinstance(recipes, dict) and all(_is_str_list(v) for v in recipes.values()),
            "recipes is not an object of source lists")
