@@ -4,7 +4,9 @@ by cookie uses them, and as another tenant would attack them."""
 
 from __future__ import annotations
 
+import base64
 import json
+import os
 import re
 from typing import Any
 
@@ -118,6 +120,32 @@ def test_lab_saves_are_workspace_files_and_kernel_files_show_up(shared_cluster: 
 
     wait_until(listed, timeout=20, interval=0.5, what="a kernel-written file in Lab")
     assert lab.get(f"{base}/from_kernel.csv").json()["content"] == "a,b\n1,2\n"
+
+
+def test_lab_saves_notebooks_and_uploads_larger_than_other_bodies(
+        shared_cluster: Cluster) -> None:
+    """Other requests stop at 1 MiB; a notebook with plots, or an upload's chunk
+    (base64 in JSON), is larger and must save."""
+    client = shared_cluster.new_user()
+    workspace_id = create_running(client)
+    lab = browser(shared_cluster, client, workspace_id)
+    image = base64.b64encode(os.urandom(3 * 1024 * 1024)).decode()
+    cell = {"cell_type": "code", "source": "plot()", "metadata": {}, "execution_count": 1,
+            "outputs": [{"output_type": "display_data", "metadata": {},
+                         "data": {"image/png": image}}], "id": "c1"}
+    notebook = {**NOTEBOOK, "cells": [cell]}
+    saved = lab.put(f"/w/{workspace_id}/api/contents/plots.ipynb",
+                    json={"type": "notebook", "format": "json", "content": notebook})
+    assert saved.status_code == 201, saved.text[:300]
+    assert saved.json()["size"] > 4 * 1024 * 1024
+    chunks = [os.urandom(1024 * 1024) for _ in range(3)]
+    for number, chunk in zip((1, 2, -1), chunks, strict=True):
+        response = lab.put(f"/w/{workspace_id}/api/contents/data.bin", json={
+            "type": "file", "format": "base64", "chunk": number,
+            "content": base64.b64encode(chunk).decode()})
+        assert response.status_code in (200, 201), response.text[:300]
+    stored = client.get(f"/v1/workspaces/{workspace_id}/files/data.bin").content
+    assert stored == b"".join(chunks)
 
 
 def test_sessions_are_kept_per_path_and_end_with_their_kernel(shared_cluster: Cluster) -> None:

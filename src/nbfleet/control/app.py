@@ -43,6 +43,8 @@ from nbfleet.web.ratelimit import RateLimitMiddleware, rate_limit, token_key
 #: and agents' reports (a job heartbeat may list up to 10,000 attempts).
 BODY_LIMITS = (
     BodyLimit("PUT", r"/v1/workspaces/[^/]+/files/.+", MAX_FILE_BYTES),
+    # JupyterLab saves a whole notebook, or a file's chunk, as JSON (base64 for binary).
+    BodyLimit("*", r"/w/[^/]+/api/contents(/.*)?", MAX_FILE_BYTES * 4 // 3 + 1024 * 1024),
     BodyLimit("*", r"/internal/.*", 8 * 1024 * 1024),
 )
 
