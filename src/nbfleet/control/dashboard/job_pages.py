@@ -14,8 +14,8 @@ from sqlalchemy import select
 from nbfleet.control.dashboard.pages import PAGE_SIZE, PageRoute, render, viewer
 from nbfleet.control.deps import platform_of
 from nbfleet.control.platform import Platform
-from nbfleet.control.routers.jobs import _visible
-from nbfleet.db.job_tables import Job, JobAttempt, JobEvent
+from nbfleet.control.routers.jobs import _visible, newest_visible
+from nbfleet.db.job_tables import JobAttempt, JobEvent
 from nbfleet.jobs import results
 from nbfleet.jobs.views import job_view
 from nbfleet.model.errors import DomainError
@@ -32,12 +32,7 @@ LOG_TAIL_BYTES = 64 * 1024
 def jobs_page(request: Request, before: str | None = Query(None, max_length=64)) -> Response:
     me = viewer(request)
     principal = me.principal
-    query = select(Job).order_by(Job.id.desc()).limit(PAGE_SIZE + 1)
-    if not principal.is_admin:
-        query = query.where(Job.org_id == principal.org_id,
-                            Job.project_id == principal.project_id)
-    if before:
-        query = query.where(Job.id < before)
+    query = newest_visible(principal, PAGE_SIZE, before)
     with platform_of(request).db.transaction(write=False) as session:
         rows = list(session.execute(query).scalars())
     page = rows[:PAGE_SIZE]

@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
-from sqlalchemy import select
+from sqlalchemy import Select, select
 from sqlalchemy.orm import Session
 
 from nbfleet.control.auth import Principal
@@ -89,6 +89,18 @@ async def submit_job(body: SubmitJob, request: Request) -> JSONResponse:
     return outcome_response(request, status, payload, reply.replayed)
 
 
+def newest_visible(principal: Principal, limit: int, before: str | None) -> Select[Job]:
+    """The caller's jobs (all of them for an admin), newest first, a keyset page of
+    ``limit`` plus one (to tell whether another page follows)."""
+    query = select(Job).order_by(Job.id.desc()).limit(limit + 1)
+    if not principal.is_admin:
+        query = query.where(Job.org_id == principal.org_id,
+                            Job.project_id == principal.project_id)
+    if before:
+        query = query.where(Job.id < before)
+    return query
+
+
 @router.get("", summary="List jobs, newest first")
 def list_jobs(
     request: Request,
@@ -99,12 +111,7 @@ def list_jobs(
     binary: str | None = None,
     tier: str | None = None,
 ) -> dict[str, Any]:
-    query = select(Job).order_by(Job.id.desc()).limit(limit + 1)
-    if not principal.is_admin:
-        query = query.where(Job.org_id == principal.org_id,
-                            Job.project_id == principal.project_id)
-    if before:
-        query = query.where(Job.id < before)
+    query = newest_visible(principal, limit, before)
     if state is not None:
         query = query.where(Job.state == state)
     if binary is not None:
