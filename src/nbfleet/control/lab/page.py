@@ -74,7 +74,7 @@ def _lab_version() -> str:
     return version
 
 
-def page_config(workspace_id: str, token: str | None) -> dict[str, Any]:
+def page_config(workspace_id: str) -> dict[str, Any]:
     """As jupyterlab_server builds it: ``full*`` URLs are absolute, the others are
     joined to ``baseUrl`` by Lab."""
     base = f"/w/{workspace_id}/"
@@ -98,7 +98,7 @@ def page_config(workspace_id: str, token: str | None) -> dict[str, Any]:
         "federated_extensions": list(federated_extensions()), "ignorePlugins": [],
         "mode": "multiple-document", "news": {"disabled": True}, "notebookStartsKernel": True,
         "preferredPath": "/", "quitButton": False, "store_id": 0, "terminalsAvailable": False,
-        "token": token or "", "treePath": "", "untracked_message_types": UNTRACKED,
+        "token": "", "treePath": "", "untracked_message_types": UNTRACKED,
         "workspace": "default", "allow_hidden_files": False, "delete_to_trash": False,
     }
 
@@ -121,18 +121,16 @@ top:0;left:50%;transform:translateX(-50%);z-index:10000;background:#1f4e8c;color
 font:14px system-ui,sans-serif;padding:6px 14px;border-radius:0 0 6px 6px">Resuming workspace
 <b>{name}</b>&hellip;</div><script>(function(){{var b=document.getElementById(
 'nbfleet-banner'),u={status_url};function poll(){{fetch(u,{{credentials:'same-origin',
-headers:{headers}}}).then(function(r){{return r.json()}}).then(function(w){{
+headers:{{}}}}).then(function(r){{return r.json()}}).then(function(w){{
 if(w.state==='running'){{b.textContent='Workspace resumed: your variables are back.';
 setTimeout(function(){{b.remove()}},4000)}}else{{if(w.last_error){{b.textContent=
 'Resuming: '+w.last_error}}setTimeout(poll,1000)}}}}).catch(function(){{setTimeout(poll,2000)
 }})}}poll()}})()</script>"""
 
 
-def _banner(workspace_id: str, name: str, token: str | None) -> str:
-    headers = json.dumps({"Authorization": f"Bearer {token}"} if token else {})
+def _banner(workspace_id: str, name: str) -> str:
     return _BANNER.format(name=markupsafe.escape(name),
-                          status_url=json.dumps(f"/v1/workspaces/{workspace_id}"),
-                          headers=headers.replace("<", "\\u003c"))
+                          status_url=json.dumps(f"/v1/workspaces/{workspace_id}"))
 
 
 @router.get("/w/{workspace_id}")
@@ -158,12 +156,12 @@ async def lab(workspace_id: str, request: Request, rest: str = "") -> Response:
     name, resuming = await asyncio.to_thread(_open, platform, principal, workspace_id)
     if resuming:
         platform.wake()
-    token = None  # the session cookie authenticates Lab's calls
-    html = _template().render(page_config=page_config(workspace_id, token),
+    # No token in the page: the session cookie authenticates Lab's calls.
+    html = _template().render(page_config=page_config(workspace_id),
                               base_url=f"/w/{workspace_id}/", ws_url="", custom_css=False)
     if resuming:
         html = html.replace("<body", "<body data-nbfleet-resuming", 1)
-        html = html.replace("</body>", _banner(workspace_id, name, token) + "</body>", 1)
+        html = html.replace("</body>", _banner(workspace_id, name) + "</body>", 1)
     return HTMLResponse(html, headers={"Cache-Control": "no-store",
                                        "Referrer-Policy": "same-origin"})
 
