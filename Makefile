@@ -13,7 +13,9 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml requirements.lock
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip uv
-	$(BIN)/uv pip install --quiet --python $(BIN)/python -r requirements.lock
+	# Bytecode now: sandboxed kernels see the environment read-only and cannot write
+	# it, so a package never imported outside a kernel would compile on every import.
+	$(BIN)/uv pip install --quiet --compile-bytecode --python $(BIN)/python -r requirements.lock
 	$(BIN)/uv pip install --quiet --python $(BIN)/python --no-deps -e .
 	touch $(STAMP)
 

@@ -169,14 +169,16 @@ def create_agent_app(service: AgentService) -> FastAPI:
         pool = service.runtimes.pool if service.runtimes is not None else None
         if pool is None:
             return WarmPoolState(target=0, ready=0)
-        return WarmPoolState(target=pool.target, ready=len(pool.ready))
+        return WarmPoolState(target=pool.target, ready=len(pool.ready),
+                             prepared=sum(1 for w in pool.ready if w.modules))
 
     @api.put("/warm-pool")
     async def resize_warm_pool(body: ResizeWarmPool) -> WarmPoolState:
         if service.runtimes is None:
             raise Unavailable("the agent is still starting")
         pool = service.runtimes.pool
-        return WarmPoolState(target=pool.resize(body.target), ready=len(pool.ready))
+        return WarmPoolState(target=pool.resize(body.target), ready=len(pool.ready),
+                             prepared=sum(1 for w in pool.ready if w.modules))
 
     @api.post("/jobs")
     async def start_job(body: StartJob) -> JobStatus:

@@ -287,17 +287,20 @@ class KernelProcess:
                                               copy=True)
         return header["msg_id"]
 
-    async def execute_internal(self, code: str, timeout_s: float) -> dict[str, Any]:
+    async def execute_internal(self, code: str, timeout_s: float,
+                               expressions: dict[str, str] | None = None) -> dict[str, Any]:
         """Run the agent's own code in the kernel, unseen by clients and by history.
 
         The request is silent, so IPython fires no cell events (state capture does
         not see it) and the kernel's status changes are not relayed to clients.
-        Returns the execute_reply's content.
+        Returns the execute_reply's content (with ``expressions`` evaluated after
+        the code, under ``user_expressions``).
         """
         await asyncio.wait_for(self._ready.wait(), timeout_s)
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         msg_id = self._send_internal("execute_request", {
-            "code": code, "silent": True, "store_history": False, "user_expressions": {},
+            "code": code, "silent": True, "store_history": False,
+            "user_expressions": expressions or {},
             "allow_stdin": False, "stop_on_error": False,
         })
         self._waiters[msg_id] = future

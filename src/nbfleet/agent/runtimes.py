@@ -15,11 +15,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbfleet.agent import filesync, statesync
+from nbfleet.agent import filesync, preimports, statesync
 from nbfleet.agent.kernel_process import KernelProcess
 from nbfleet.agent.livesync import LiveSync
 from nbfleet.agent.sandbox import Isolation, gpu_devices
-from nbfleet.agent.slots import Slot, new_kernel
+from nbfleet.agent.slots import WARM_IMPORTS, Slot, new_kernel
 from nbfleet.agent.warmpool import Warm, WarmPool
 from nbfleet.model.errors import Conflict, NotFound, SuspendFailed
 from nbfleet.model.limits import Limits
@@ -55,7 +55,7 @@ class Placed:
 class RuntimeManager:
     def __init__(self, state_dir: str, files: WorkspaceFiles, sockets_dir: str,
                  isolation: Isolation | None = None, release_delay_s: float = 0.0,
-                 warm_pool: int = 0,
+                 warm_pool: int = 0, warm_profiles: int | None = None,
                  on_released: Callable[[list[str]], None] | None = None,
                  file_sync_interval_s: float = 0.0) -> None:
         self.runtimes_dir = f"{state_dir}/runtimes"
@@ -73,7 +73,9 @@ class RuntimeManager:
         self._locks: dict[str, asyncio.Lock] = {}
         #: This host's GPU device nodes (none where its GPUs are only declared).
         self.gpu_devices = tuple(gpu_devices())
-        self.pool = WarmPool(warm_pool, self._warm_slot, self.sandbox)
+        self.pool = WarmPool(warm_pool, self._warm_slot, self.sandbox, profiles=warm_profiles)
+        #: Where kernels import the platform's packages from (``preimports``).
+        self.base_env = preimports.BaseEnvironment.of_kernels()
         #: Fault injection for crash tests: hold a release or suspend open this long
         #: (a suspend, after its uploads and before it answers).
         self.release_delay_s = release_delay_s
@@ -124,9 +126,11 @@ class RuntimeManager:
             runtime = self.runtimes.get(workspace_id)
             if runtime is None:
                 devices = self.gpu_devices if gpus else ()
-                return await self._place(workspace_id, generation, wanted, snapshot or {},
-                                         packages, self.isolation.limits.over(limits),
-                                         network, devices)
+                with self.pool.placing():  # the pool's refill waits for a burst of these
+                    return await self._place(workspace_id, generation, wanted,
+                                             snapshot or {}, packages,
+                                             self.isolation.limits.over(limits), network,
+                                             devices)
             runtime.generation = generation
             for kernel_id, name in wanted:
                 if kernel_id not in runtime.kernels:
@@ -136,8 +140,14 @@ class RuntimeManager:
     async def _place(self, workspace_id: str, generation: int, kernels: list[tuple[str, str]],
                      snapshot: dict[str, str], packages: str | None, limits: Limits,
                      network: str, devices: tuple[str, ...]) -> Placed:
+        """The first kernel comes from the warm pool: one prepared with the modules
+        its snapshot needs where there is one. What it lacks is imported while the
+        snapshot downloads (``preimports``)."""
+        needs = await asyncio.to_thread(preimports.snapshot_needs, self.blobs, workspace_id,
+                                        snapshot, self.base_env)
         fits = self._warm_fits(limits, network, devices)
-        warm = self.pool.claim(kernels[0][1]) if kernels and fits else None
+        first = needs.get(kernels[0][0], preimports.NOTHING) if kernels else preimports.NOTHING
+        warm = self.pool.claim(kernels[0][1], first.profile) if kernels and fits else None
         if warm is not None and not await self._fit(warm, limits):
             warm = None
         slot = warm.slot if warm else await asyncio.to_thread(self.new_slot, workspace_id,
@@ -151,15 +161,27 @@ class RuntimeManager:
                 asyncio.to_thread(self._restore_layer, workspace_id, packages, slot),
             )
             await asyncio.to_thread(slot.hand_over)
+            layer = await asyncio.to_thread(preimports.layer_modules, slot.packages)
             for index, (kernel_id, name) in enumerate(kernels):
+                loaded: frozenset[str] = frozenset()
                 if index == 0 and warm is not None:
                     kernel, path = warm.kernel, "warm"
                     kernel.rename(kernel_id, workspace_id)
                     self._register(runtime, kernel)
+                    loaded = warm.modules | frozenset(WARM_IMPORTS)
+                    if preimports.shadowed(loaded, layer):
+                        # It imported from the base environment what the workspace's
+                        # own layer replaces: a fresh process loads the layer's.
+                        await kernel.restart()
+                        path = "cold"
                 else:
                     kernel, path = await self._start_kernel(runtime, kernel_id, name), "cold"
+                wanted = tuple(m for m in needs.get(kernel_id, preimports.NOTHING).modules
+                               if m not in loaded and not preimports.shadowed((m,), layer))
                 placed.restore[kernel_id] = await statesync.restore(
-                    self.blobs, workspace_id, kernel, snapshot.get(kernel_id), path)
+                    self.blobs, workspace_id, kernel, snapshot.get(kernel_id), path,
+                    prepared=warm.modules if path == "warm" and warm else frozenset(),
+                    preimport=wanted)
         except BaseException:
             await self._teardown(runtime, sync=False)
             raise
@@ -307,6 +329,7 @@ class RuntimeManager:
                 log.warning("suspend of %s failed: %r", workspace_id, exc)
                 raise SuspendFailed(f"could not save the workspace: {exc!r}"[:1000],
                                     runtime="kept") from exc
+            self.pool.prepare(saved.pop("profile"))  # its resume is likely
             if self.release_delay_s:
                 await asyncio.sleep(self.release_delay_s)
             await self._teardown(runtime, sync=False)
@@ -319,8 +342,15 @@ class RuntimeManager:
         runtime.manifest = filesync.sync_back(
             self.files, workspace_id, runtime.workdir, runtime.manifest)
         packages = store_layer(self.blobs, workspace_id, runtime.slot.packages)
+        # The import set its first kernel will need on resume (the one a warm kernel
+        # serves), less what its own layer provides.
+        first = next(iter(runtime.kernels), "")
+        needs = preimports.snapshot_needs(
+            self.blobs, workspace_id, {first: kernels[first]["key"]} if first in kernels else {},
+            self.base_env, preimports.layer_modules(runtime.slot.packages))
         return {"kernels": kernels, "packages": packages,
-                "bytes": sum(k["bytes"] for k in kernels.values())}
+                "bytes": sum(k["bytes"] for k in kernels.values()),
+                "profile": needs[first].profile if first in needs else frozenset()}
 
     async def release(self, workspace_id: str, generation: int, sync: bool = True) -> bool:
         """Stop the kernels, sync files back, drop the runtime. False if there was none."""

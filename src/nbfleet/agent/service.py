@@ -53,6 +53,8 @@ class AgentConfig:
     release_delay_s: float = 0.0
     #: Warm kernels kept ready for resumes (0 turns the pool off).
     warm_pool: int = 1
+    #: Import sets to keep a prepared warm kernel for (None: as many as ``warm_pool``).
+    warm_profiles: int | None = None
     sandbox: str = "auto"  # auto | bwrap | none
     #: Directories kernels must never see besides the agent's own state (e.g. the
     #: control plane's home with its DB and secrets, in embedded mode).
@@ -219,7 +221,8 @@ class AgentService:
             self.runtimes = RuntimeManager(
                 self.state_dir, files, self.sockets_dir,
                 isolation=self.isolation, release_delay_s=self.config.release_delay_s,
-                warm_pool=self.config.warm_pool, on_released=self.released.put,
+                warm_pool=self.config.warm_pool, warm_profiles=self.config.warm_profiles,
+                on_released=self.released.put,
                 file_sync_interval_s=self.config.file_sync_interval_s,
             )
             self.runtimes.pool.start()

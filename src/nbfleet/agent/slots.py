@@ -41,6 +41,9 @@ WARM_IMPORTS = ("numpy", "pandas")
 
 
 def kernel_env(home: str) -> dict[str, str]:
+    """What every kernel starts with. Nothing a standard ipykernel would not have:
+    no ``MPLBACKEND``, so ipykernel picks matplotlib's inline backend itself and a
+    figure shows as an ``image/png`` in the notebook."""
     env = {name: os.environ[name] for name in _INHERITED_ENV if name in os.environ}
     venv_bin = os.path.dirname(sys.executable)
     env["PATH"] = f"{venv_bin}:{env.get('PATH', '/usr/bin:/bin')}"
@@ -49,7 +52,6 @@ def kernel_env(home: str) -> dict[str, str]:
         USER="nbfleet",  # the sandbox's uid has no passwd entry; getpass asks $USER first
         TMPDIR="/tmp",  # private to the kernel inside the sandbox
         PYTHONUNBUFFERED="1",
-        MPLBACKEND="agg",
         PYDEVD_DISABLE_FILE_VALIDATION="1",  # silences debugpy's frozen-modules warning
     )
     return env

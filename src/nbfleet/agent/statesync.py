@@ -20,6 +20,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from nbfleet.agent import preimports
 from nbfleet.agent.kernel_process import KernelProcess
 from nbfleet.model.errors import SuspendFailed
 from nbfleet.storage import beneath
@@ -35,6 +36,8 @@ FLUSH_TIMEOUT_S = 300.0
 RESTORE_TIMEOUT_S = 300.0
 INTERRUPT_GRACE_S = 10.0
 REPORT_LIMIT = 64 << 20
+#: A backstop for the imports done while a snapshot downloads (the restore waits on them).
+PREIMPORT_TIMEOUT_S = 120.0
 #: Seconds all replays of one kernel may take on resume (the kernel stops them).
 REPLAY_BUDGET_ENV = "NBFLEET_REPLAY_BUDGET_S"
 DEFAULT_REPLAY_BUDGET_S = 10.0
@@ -111,20 +114,29 @@ def upload(store: BlobStore, workspace_id: str, kernel: KernelProcess) -> dict[s
 
 
 async def restore(store: BlobStore, workspace_id: str, kernel: KernelProcess,
-                  key: str | None, path: str) -> dict[str, Any]:
+                  key: str | None, path: str, prepared: frozenset[str] = frozenset(),
+                  preimport: tuple[str, ...] = ()) -> dict[str, Any]:
     """Load a snapshot into a started kernel; the report says what came back.
 
     A snapshot that fails verification, or that the kernel cannot read, is not
     loaded at all: the kernel keeps an empty namespace and the report says that
-    only the files were restored.
+    only the files were restored. ``preimport``: modules (``preimports.needs``) the
+    kernel imports while the snapshot downloads; ``prepared``: those a warm kernel
+    imported before it was claimed. The report lists those that did load.
     """
     started = time.perf_counter()
     report: dict[str, Any] = {"path": path, "restored": [], "recomputed": [], "lost": [],
                               "files_only": False, "error": None}
     if key is not None and kernel.state_dir is not None:
+        importing = (asyncio.create_task(_preimport(kernel, prepared, preimport))
+                     if prepared or preimport else None)
         try:
-            report["bytes"] = await asyncio.to_thread(_install, store, workspace_id, key,
-                                                      kernel)
+            try:
+                report["bytes"] = await asyncio.to_thread(_install, store, workspace_id, key,
+                                                          kernel)
+            finally:
+                if importing is not None:
+                    report.update(await importing)
             await _run(kernel, restore_code(replay_budget_s()), RESTORE_TIMEOUT_S)
             report.update(await asyncio.to_thread(_read_report, kernel.state_dir))
         except TimeoutError:  # an OSError too: before the clause that calls it corrupt
@@ -139,6 +151,24 @@ async def restore(store: BlobStore, workspace_id: str, kernel: KernelProcess,
     if message:
         kernel.announce(message)
     return report
+
+
+async def _preimport(kernel: KernelProcess, prepared: frozenset[str],
+                     wanted: tuple[str, ...]) -> dict[str, list[str]]:
+    """Import ``wanted`` in the kernel; which of them, and of ``prepared``, are loaded."""
+    asked = sorted(name for name in {*prepared, *wanted} if preimports.DOTTED.fullmatch(name))
+    loaded = f"' '.join(sorted(set({asked!r}) & set(__import__('sys').modules)))"
+    try:
+        reply = await kernel.execute_internal(preimports.preimport_code(wanted),
+                                              PREIMPORT_TIMEOUT_S, {"loaded": loaded})
+        text = reply["user_expressions"]["loaded"]["data"]["text/plain"]
+    except Exception as exc:  # a head start only: the restore imports them anyway
+        log.warning("kernel %s: importing %s ahead failed: %r", kernel.id, asked, exc)
+        return {}
+    names = set(str(text).strip("'\"").split()) & set(asked)
+    out = {"prepared": sorted(names & prepared),
+           "preimported": sorted(names & set(wanted) - prepared)}
+    return {field: value for field, value in out.items() if value}
 
 
 async def _stop_restore(kernel: KernelProcess) -> dict[str, Any]:

@@ -71,6 +71,10 @@ SANDBOX_OPT = typer.Option(
 )
 WARM_POOL_OPT = typer.Option(1, "--warm-pool", min=0, max=64,
                              help="Warm kernels kept ready for fast resumes (0: none)")
+WARM_PROFILES_OPT = typer.Option(
+    None, "--warm-profiles", min=0, max=64,
+    help="Import sets of suspended workspaces (scikit-learn, SymPy...) to keep one warm "
+         "kernel prepared for [default: --warm-pool; 0: none]")
 FILE_SYNC_OPT = typer.Option(
     2.0, "--file-sync-interval", min=0,
     help="Seconds between syncs of the files kernels write to the blob store (0: only at "
@@ -140,6 +144,7 @@ def up(
     workspace_disk: str = WORKSPACE_DISK_OPT,
     cgroup_parent: str | None = CGROUP_PARENT_OPT,
     warm_pool: int = WARM_POOL_OPT,
+    warm_profiles: int | None = WARM_PROFILES_OPT,
     idle_suspend: float = IDLE_OPT,
     suspend_on_busy: str = ON_BUSY_OPT,
     suspend_busy_timeout: float = BUSY_TIMEOUT_OPT,
@@ -197,7 +202,7 @@ def up(
         AgentConfig(control_url=url, secret=secret,
                     state_dir=str(state / "agent"), gpus=gpus, sandbox=sandbox,
                     hidden_paths=[str(state)], warm_pool=warm_pool,
-                    job_heartbeat_s=job_heartbeat, limits=limits,
+                    warm_profiles=warm_profiles, job_heartbeat_s=job_heartbeat, limits=limits,
                     cgroup_parent=cgroup_parent),
         agent_sock, log_level,
     )
@@ -305,6 +310,7 @@ def agent(
     workspace_disk: str = WORKSPACE_DISK_OPT,
     cgroup_parent: str | None = CGROUP_PARENT_OPT,
     warm_pool: int = WARM_POOL_OPT,
+    warm_profiles: int | None = WARM_PROFILES_OPT,
     job_heartbeat: float = JOB_HEARTBEAT_OPT,
     file_sync_interval: float = FILE_SYNC_OPT,
     log_level: str = LOG_OPT,
@@ -330,7 +336,8 @@ def agent(
                     state_dir=state_dir or str(state / "agent"), gpus=gpus,
                     release_delay_s=release_delay, sandbox=sandbox,
                     hidden_paths=[str(state), *([secret_file] if secret_file else [])],
-                    warm_pool=warm_pool, job_heartbeat_s=job_heartbeat, limits=limits,
+                    warm_pool=warm_pool, warm_profiles=warm_profiles,
+                    job_heartbeat_s=job_heartbeat, limits=limits,
                     cgroup_parent=cgroup_parent, file_sync_interval_s=file_sync_interval),
         sock, log_level,
     )

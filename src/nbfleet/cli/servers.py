@@ -10,6 +10,7 @@ import signal
 import socket
 import time
 from collections.abc import Callable, Coroutine, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -138,9 +139,16 @@ def serve_forked(build: Callable[[], Serving], workers: int) -> None:
             spawn()
 
 
+#: Threads for blocking calls (``asyncio.to_thread``): DB transactions, blob and file
+#: copies, slot set-up. They mostly wait (on disk, on SQLite's write lock), so the
+#: default (CPUs + 4) let a burst of 32 resumes queue behind each other's waits.
+BLOCKING_THREADS = 64
+
+
 async def serve_all(servings: list[Serving]) -> None:
     """Start servers in order (each waits for the previous), stop them in reverse."""
     loop = asyncio.get_running_loop()
+    loop.set_default_executor(ThreadPoolExecutor(BLOCKING_THREADS, "nbfleet-blocking"))
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)

@@ -124,6 +124,11 @@ class RestoreReport(BaseModel):
     error: str | None = None
     #: The import statements replayed before the values were loaded.
     imports: list[str] = []
+    #: Modules the warm kernel had imported before it was claimed: it was prepared
+    #: with this workspace's imports (set only when there were any).
+    prepared: list[str] = []
+    #: Modules the kernel imported while its snapshot downloaded (set only then).
+    preimported: list[str] = []
     #: The snapshot's size, when one was downloaded.
     bytes: int = Field(0, ge=0)
     seconds: float = Field(0.0, ge=0)
@@ -207,6 +212,8 @@ class WarmPoolState(BaseModel):
 
     target: int = Field(ge=0)
     ready: int = Field(ge=0)
+    #: Of ``ready``, kernels prepared with a suspended workspace's imports.
+    prepared: int = Field(default=0, ge=0)
 
 
 # ------------------------------------------------------------------- jobs

@@ -107,15 +107,24 @@ def upload_state(store: BlobStore, workspace_id: str, kernel_id: str, state_dir:
     return Uploaded(key, len(raw) + sum(s for s, _ in sizes), len(raw) + sum(w for _, w in sizes))
 
 
-def download_state(store: BlobStore, workspace_id: str, key: str, state_dir: str) -> int:
-    """Fetch a snapshot into ``state_dir`` and verify it; returns its size in bytes."""
+def read_manifest(store: BlobStore, workspace_id: str, key: str) -> bytes:
+    """A snapshot's manifest as stored (not verified: see :func:`download_state`)."""
     if not key.startswith(f"{workspace_prefix(workspace_id)}/snapshots/"):
         raise CorruptSnapshot(f"snapshot key {key!r} is not this workspace's")
     try:
         raw = store.get(key)
-        manifest = json.loads(raw)
     except NotFound as exc:
         raise CorruptSnapshot(f"the manifest is missing: {key}") from exc
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise CorruptSnapshot("the manifest is too large")
+    return raw
+
+
+def download_state(store: BlobStore, workspace_id: str, key: str, state_dir: str) -> int:
+    """Fetch a snapshot into ``state_dir`` and verify it; returns its size in bytes."""
+    raw = read_manifest(store, workspace_id, key)
+    try:
+        manifest = json.loads(raw)
     except ValueError as exc:
         raise CorruptSnapshot(f"the manifest is not valid JSON: {exc}") from exc
     if not isinstance(manifest, dict):
