@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
+from nbfleet.control.workspaces import WorkspaceBody
 from nbfleet.sdk.kernel_socket import KernelSocket
 from tests.conftest import running_cluster
 from tests.support.cluster import (
@@ -402,6 +403,33 @@ def test_a_cell_that_writes_files_is_not_rerun_by_three_resumes(cold_cluster: Cl
                                 "print(repr(open('run.log').read()), 'lock' in globals())")
                        ) == "'started\\n' False\n", cycle
     assert client.get(f"/v1/workspaces/{ws}/files/run.log").content == b"started\n"
+
+
+def test_a_value_that_comes_back_changed_is_reported_changed_over_the_api(
+        cold_cluster: Cluster) -> None:
+    """The kernel's ``changed`` and ``settings`` reach the API (as the schema says)
+    and the notebook; a changed value is neither restored nor lost."""
+    client = cold_cluster.new_user()
+    ws = create_running(client)
+    kernel = start_kernel(client, ws)
+    drifts = ("class Drifts:\n    def __init__(self):\n        self.n = 1\n"
+              "    def __setstate__(self, state):\n"
+              "        self.__dict__.update(state)\n        self.n += 1\n"
+              "d = Drifts()\nsame = [1, 2]")
+    assert run_cell(cold_cluster, client, ws, kernel, drifts).status == "ok"
+    suspend(client, ws)
+    body = resume(client, ws)
+    WorkspaceBody.model_validate(body)
+    report = body["restore"]["kernels"][kernel]
+    [changed] = report["changed"]
+    assert (changed["name"], changed["type"]) == ("d", "__main__.Drifts"), report
+    assert changed["reason"].startswith("it came back different from the value saved")
+    assert "same" in report["restored"] and "d" not in report["restored"]
+    assert report["lost"] == []
+    assert {"name": "execution count", "status": "restored"} in report["settings"], report
+    told = iopub_on_attach(cold_cluster, client, ws, kernel)
+    assert "1 came back changed" in told and "[nbfleet] Changed: d (__main__.Drifts): " in told
+    assert outcome(run_cell(cold_cluster, client, ws, kernel, "print(d.n, same)")) == "2 [1, 2]\n"
 
 
 def test_a_replay_that_would_sleep_a_minute_does_not_hold_up_the_resume(

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from nbfleet.agent import statesync
+from nbfleet.agent import restore_report
 from nbfleet.kernel import codec, shape, verify
 from tests.support.kernel_shell import Session, shell
 
@@ -30,9 +30,9 @@ def session(tmp_path: Path) -> Iterator[Session]:
 
 
 def agent_view(report: dict[str, Any]) -> dict[str, Any]:
-    """What statesync makes of the kernel's report (the agent's code, unchanged)."""
-    view = {k: report[k] for k in ("restored", "recomputed", "lost", "imports")}
-    return {"path": "warm", "files_only": False, "error": None, **view}
+    """What the agent makes of the kernel's report (the agent's own code)."""
+    return {"path": "warm", "files_only": False, "error": None,
+            **restore_report.clean_report(json.loads(json.dumps(report)))}
 
 
 def test_a_value_that_comes_back_different_is_not_called_restored(session: Session) -> None:
@@ -49,9 +49,13 @@ def test_a_value_that_comes_back_different_is_not_called_restored(session: Sessi
     assert "shares objects with d" in changed["holder"]["reason"]
     written = json.loads((session.state_dir / "restore-report.json").read_text())
     assert written["changed"] == report["changed"]
-    message = statesync.describe(agent_view(report))
-    assert f"Not restored: d (__main__.Drifts): {verify.DIFFERS}" in message
-    assert "it is loaded as it came back" in message
+    view = agent_view(report)
+    assert "d" not in view["restored"] and "d" not in {item["name"] for item in view["lost"]}
+    assert {item["name"] for item in view["changed"]} == {"d", "holder"}
+    message = restore_report.describe(view)
+    assert f"Changed: d (__main__.Drifts): {verify.DIFFERS}" in message
+    assert "it is loaded as it came back" in message and "2 came back changed" in message
+    assert "Not restored: d" not in message
 
 
 def test_a_changed_value_is_saved_again_at_the_next_suspend(session: Session) -> None:

@@ -173,3 +173,17 @@ def test_a_placement_whose_report_was_lost_replaces_the_old_summary() -> None:
 
 def test_a_placement_with_nothing_to_restore_records_nothing() -> None:
     assert _restore_summary(work(None), placed({"restore": {}}), NOW) is None
+
+
+def test_values_that_came_back_changed_and_lost_settings_are_named(
+        cli: Callable[..., Any]) -> None:
+    report = {"path": "warm", "restored": ["a"], "recomputed": [], "lost": [],
+              "changed": [{"name": "d", "type": "Drifts", "reason": "its digest differs"}],
+              "settings": [{"name": "random state", "status": "restored"},
+                           {"name": "working directory", "status": "lost",
+                            "reason": "cannot change to /gone"}]}
+    result = cli(body("running", restore_generation=5, report=report), [])
+    assert result.exit_code == 0, result.stderr
+    assert "restored 1 variables; came back changed: d (its digest differs)" in result.stderr
+    assert "settings not restored: working directory (cannot change to /gone)" in result.stderr
+    assert "random state" not in result.stderr

@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 from nbfleet.agent import preimports
 from nbfleet.agent.kernel_process import KernelProcess
+from nbfleet.agent.restore_report import clean_report, describe
 from nbfleet.model.errors import SuspendFailed
 from nbfleet.storage import beneath
 from nbfleet.storage.blobs import BlobStore
@@ -125,8 +126,8 @@ async def restore(store: BlobStore, workspace_id: str, kernel: KernelProcess,
     imported before it was claimed. The report lists those that did load.
     """
     started = time.perf_counter()
-    report: dict[str, Any] = {"path": path, "restored": [], "recomputed": [], "lost": [],
-                              "files_only": False, "error": None}
+    report: dict[str, Any] = {"path": path, "restored": [], "changed": [], "recomputed": [],
+                              "lost": [], "settings": [], "files_only": False, "error": None}
     if key is not None and kernel.state_dir is not None:
         importing = (asyncio.create_task(_preimport(kernel, prepared, preimport))
                      if prepared or preimport else None)
@@ -227,28 +228,18 @@ def _install(store: BlobStore | None, workspace_id: str, key: str | None,
 
 def _read_report(state_dir: str) -> dict[str, Any]:
     """What the kernel wrote about its restore (it owns the file: read it through a
-    checked descriptor, bounded)."""
+    checked descriptor, bounded). ValueError if it is not a report at all."""
     with beneath.directory(state_dir) as folder, \
             beneath.open_regular(folder, "restore-report.json") as opened:
         raw = beneath.read_fd(opened[0], REPORT_LIMIT) if opened else None
     if raw is None:
         raise ValueError("the restore report is missing or too large")
-    body = json.loads(raw)
-    return {k: body[k] for k in ("restored", "recomputed", "lost", "imports") if k in body}
+    try:
+        body = json.loads(raw)
+    except RecursionError:  # nested past the parser's stack: not a ValueError
+        raise ValueError("the restore report is nested too deeply") from None
+    if not isinstance(body, dict):
+        raise ValueError("the restore report is not a JSON object")
+    return clean_report(body)
 
 
-def describe(report: dict[str, Any]) -> str:
-    """The line a user sees in the notebook when the kernel comes back."""
-    if report["files_only"]:
-        return f"[nbfleet] Resumed with your files only: {report['error']}.\n"
-    restored, recomputed = report["restored"], report["recomputed"]
-    if not restored and not recomputed and not report["lost"]:
-        return ""
-    parts = [f"[nbfleet] Resumed: restored {len(restored)} variables"]
-    if recomputed:
-        parts.append(f", recomputed {', '.join(recomputed)}")
-    text = "".join(parts) + ".\n"
-    for lost in report["lost"]:
-        text += (f"[nbfleet] Not restored: {lost['name']} ({lost['type']}): "
-                 f"{lost.get('reason', 'cannot be saved')}.\n")
-    return text

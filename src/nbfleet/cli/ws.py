@@ -110,11 +110,16 @@ def _tell_restored(body: dict[str, Any], generation: int | None) -> None:
             err.print(f"kernel {kernel_id}: files only ({report.get('error')})")
             continue
         lost = ", ".join(f"{x['name']} ({x['type']})" for x in report.get("lost", []))
+        changed = ", ".join(f"{x['name']} ({x['reason']})" for x in report.get("changed", []))
+        settings = ", ".join(f"{x['name']} ({x.get('reason') or 'lost'})"
+                             for x in report.get("settings", []) if x.get("status") == "lost")
         err.print(f"kernel {kernel_id} ({report.get('path')} start): restored "
                   f"{len(report.get('restored', []))} variables"
                   + (f", recomputed {', '.join(report['recomputed'])}"
                      if report.get("recomputed") else "")
-                  + (f"; not restored: {lost}" if lost else ""))
+                  + (f"; came back changed: {changed}" if changed else "")
+                  + (f"; not restored: {lost}" if lost else "")
+                  + (f"; settings not restored: {settings}" if settings else ""))
     for kernel_id in summary.get("unreported", []):
         err.print(f"kernel {kernel_id}: restored by an earlier attempt whose report was lost")
 

@@ -25,6 +25,7 @@ from nbfleet.model.workspace import (
     is_settled,
 )
 from nbfleet.policy.shapes import UNBOUNDED, autoscaled_shape, unsatisfiable_reason
+from nbfleet.protocol.agent import LayerRestore, RestoreReport
 from nbfleet.web.metrics import WORKSPACE_TRANSITIONS
 from nbfleet.web.render import iso
 
@@ -157,6 +158,64 @@ def resolve_resources(session: Session, principal: Principal,
         select(Project.default_resources).where(Project.id == principal.project_id)
     ).scalar_one_or_none()
     return spec_from_json(default)
+
+
+# ------------------------------------------------------------------ API bodies
+class ResourcesBody(BaseModel):
+    """A workspace's resource request as resolved at creation (all fields, always)."""
+
+    millicpus: int
+    memory_mb: int
+    gpus: int
+    vram_gb: int
+    gpu_types: list[str]
+
+
+class SnapshotSummary(BaseModel):
+    """What a user may know of the last snapshot: when, how big, what it holds."""
+
+    at: str | None = None
+    bytes: int = 0
+    kernels: list[str] = []
+    packages: bool = False
+    #: Said to the user (a running cell was interrupted to suspend).
+    notes: list[str] = []
+
+
+class RestoreSummary(BaseModel):
+    """What one resume (of ``generation``) restored, each kernel's report as its agent
+    sent it: only the fields its restore set."""
+
+    generation: int
+    at: str
+    kernels: dict[str, RestoreReport] = {}
+    packages: LayerRestore = Field(default_factory=LayerRestore)
+    #: Kernels restored by an earlier attempt whose report was lost.
+    unreported: list[str] = []
+
+
+class WorkspaceBody(BaseModel):
+    """A workspace as the API shows it (documentation: bodies are built by ``to_json``)."""
+
+    id: str
+    name: str
+    state: WorkspaceState
+    desired_state: DesiredState
+    generation: int
+    host_id: str | None
+    last_error: str | None
+    resources: ResourcesBody
+    snapshot: SnapshotSummary | None
+    #: The last resume's restore (a resume's own answer: that resume's only, else null).
+    restore: RestoreSummary | None
+    created_at: str
+    updated_at: str
+
+
+class WorkspacePage(BaseModel):
+    items: list[WorkspaceBody]
+    #: The cursor of the next page (``after``), null on the last.
+    next: str | None
 
 
 def to_json(ws: Workspace) -> dict[str, Any]:

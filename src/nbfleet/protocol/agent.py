@@ -104,21 +104,45 @@ class KernelModel(BaseModel):
 
 
 class LostValue(BaseModel):
-    """A variable a restore could not bring back."""
+    """A variable a restore could not bring back: the name is not defined after it."""
 
     name: str
     type: str
     reason: str
 
 
+class ChangedValue(BaseModel):
+    """A variable that came back, but not as it was saved at suspend: the name is
+    defined, with the value as it was loaded; ``reason`` says how it differs."""
+
+    name: str
+    type: str
+    reason: str
+
+
+class SettingState(BaseModel):
+    """A kernel setting (environment variables, working directory, ``sys.path``,
+    random state, ``In``/``Out``, matplotlib backend...) and whether it came back."""
+
+    name: str
+    status: Literal["restored", "lost"]
+    #: Why it was lost (set only then).
+    reason: str | None = None
+
+
 class RestoreReport(BaseModel):
-    """What restoring one kernel's snapshot brought back."""
+    """What restoring one kernel's snapshot brought back. ``restored`` names only
+    values checked equal to those saved; one that came back different is in
+    ``changed`` instead, never in both. Reports from agents older than ``changed``
+    and ``settings`` lack them (those agents listed a changed value in ``lost``)."""
 
     #: "warm" (a pool kernel took the workspace) or "cold" (a kernel started for it).
     path: str
     restored: list[str] = []
+    changed: list[ChangedValue] = []
     recomputed: list[str] = []
     lost: list[LostValue] = []
+    settings: list[SettingState] = []
     #: The variables were not loaded (only the files came back); ``error`` says why.
     files_only: bool = False
     error: str | None = None

@@ -43,7 +43,16 @@ def fleet_shapes(request: Request) -> workspaces.FleetShapes:
     return shapes
 
 
-@router.post("", status_code=201, summary="Create a workspace")
+#: The workspace bodies the routes answer with, for the OpenAPI schema only: the
+#: bodies are built by ``workspaces.to_json`` and not validated on the way out.
+_WORKSPACE: dict[str, Any] = {"model": workspaces.WorkspaceBody, "description": "The workspace"}
+_SETTLED: dict[int | str, dict[str, Any]] = {
+    200: {**_WORKSPACE, "description": "The workspace, settled (with ``wait``)"},
+    202: {**_WORKSPACE, "description": "The workspace, the change under way"}}
+
+
+@router.post("", status_code=201, summary="Create a workspace",
+             responses={201: _WORKSPACE})
 def create_workspace(body: CreateWorkspace, request: Request,
                      principal: Principal = Depends(current_principal)) -> JSONResponse:
     """A resource request no host shape (registered, or the autoscaler's) can ever
@@ -63,7 +72,8 @@ def create_workspace(body: CreateWorkspace, request: Request,
     return idempotent_reply(request, principal, body.model_dump(exclude_none=True), action)
 
 
-@router.get("", summary="List workspaces")
+@router.get("", summary="List workspaces", response_model=None,
+            responses={200: {"model": workspaces.WorkspacePage, "description": "A page"}})
 def list_workspaces(
     request: Request,
     principal: Principal = Depends(current_principal),
@@ -90,7 +100,8 @@ def list_workspaces(
     }
 
 
-@router.get("/{workspace_id}", summary="Get a workspace")
+@router.get("/{workspace_id}", summary="Get a workspace", response_model=None,
+            responses={200: _WORKSPACE})
 def get_workspace(workspace_id: str, request: Request,
                   principal: Principal = Depends(current_principal)) -> dict[str, Any]:
     with platform_of(request).db.transaction(write=False) as session:
@@ -177,21 +188,24 @@ async def _request_state(request: Request, principal: Principal, workspace_id: s
             await asyncio.wait_for(changed.wait(), min(remaining, platform.poll_s()))
 
 
-@router.post("/{workspace_id}/suspend", status_code=202, summary="Suspend a workspace")
+@router.post("/{workspace_id}/suspend", status_code=202, summary="Suspend a workspace",
+             responses=_SETTLED)
 async def suspend_workspace(workspace_id: str, request: Request, wait: float = WAIT,
                             principal: Principal = Depends(current_principal)) -> JSONResponse:
     """Save files, packages and variables, then release the runtime (see ``wait``)."""
     return await _request_state(request, principal, workspace_id, DesiredState.SUSPENDED, wait)
 
 
-@router.post("/{workspace_id}/resume", status_code=202, summary="Resume a workspace")
+@router.post("/{workspace_id}/resume", status_code=202, summary="Resume a workspace",
+             responses=_SETTLED)
 async def resume_workspace(workspace_id: str, request: Request, wait: float = WAIT,
                            principal: Principal = Depends(current_principal)) -> JSONResponse:
     """Bring the runtime back with the last snapshot; ``restore`` says what came back."""
     return await _request_state(request, principal, workspace_id, DesiredState.RUNNING, wait)
 
 
-@router.delete("/{workspace_id}", status_code=202, summary="Delete a workspace")
+@router.delete("/{workspace_id}", status_code=202, summary="Delete a workspace",
+               responses={202: _WORKSPACE})
 async def delete_workspace(workspace_id: str, request: Request,
                            principal: Principal = Depends(current_principal)) -> JSONResponse:
     return await _request_state(request, principal, workspace_id, DesiredState.DELETED)
