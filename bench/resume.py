@@ -41,7 +41,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from harness import direct_kernel, emit, nbfleet_up, p95, stderr, workspace_kernel
 from nbfleet.sdk.kernel_socket import KernelSocket
-from resume_load import burst, heavy_available, heavy_cycles
+from resume_load import burst, heavy_available, heavy_cycles, timed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.support.wheels import build_wheel
@@ -91,22 +91,14 @@ async def pool_full(http: httpx.AsyncClient, home: Path) -> None:
     raise TimeoutError("the warm pool did not refill")
 
 
-async def timed(http: httpx.AsyncClient, path: str) -> tuple[float, dict[str, Any]]:
-    start = time.perf_counter()
-    response = await http.post(path, params={"wait": WAIT_S})
-    elapsed = time.perf_counter() - start
-    if response.status_code != 200:
-        raise RuntimeError(f"{path}: {response.status_code} {response.text[:300]}")
-    body: dict[str, Any] = response.json()
-    return elapsed, body
-
-
 async def cycles(path: str, count: int, root: Path) -> dict[str, float]:
     """Build the workspace on a fresh platform, then suspend and resume it ``count`` times."""
     home = root / path
     home.mkdir()
-    warm_pool = "1" if path == "warm" else "0"
-    with nbfleet_up(home, "--warm-pool", warm_pool, "--idle-suspend", "0") as url:
+    # Cold: no pool, and no prewarm from the GPU scheduler's policy either (it would
+    # give the agent a warm kernel and the cold path would not be measured).
+    pool = ("--warm-pool", "1") if path == "warm" else ("--warm-pool", "0", "--prewarm", "0")
+    with nbfleet_up(home, *pool, "--idle-suspend", "0") as url:
         sock, kernel, workspace, token = await workspace_kernel(url, home)
         async with httpx.AsyncClient(base_url=url, timeout=WAIT_S + 30,
                                      headers={"Authorization": f"Bearer {token}"}) as http:

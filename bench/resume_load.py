@@ -107,8 +107,8 @@ HEAVY_PLATFORMS = {
     # A plain warm kernel (numpy, pandas), which imports the rest while the snapshot
     # downloads: no prepared kernels.
     "unprepared": ("--warm-pool", "1", "--warm-profiles", "0"),
-    # No warm kernel at all.
-    "cold": ("--warm-pool", "0"),
+    # No warm kernel at all (nor one from the GPU scheduler's prewarm).
+    "cold": ("--warm-pool", "0", "--prewarm", "0"),
 }
 
 

@@ -2,89 +2,18 @@
 
 from __future__ import annotations
 
-import ast
 import json
-import os
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from jupyter_client.manager import KernelManager
+
+from tests.support.real_kernel import FLUSH, RESTORE, Kernel, copy_snapshot
 
 #: Runs no DB: the PostgreSQL pass of `make test` skips it.
 pytestmark = [pytest.mark.no_db, pytest.mark.timeout(180)]
-
-FLUSH = "__import__('nbfleet.kernel').kernel.flush()"
-RESTORE = "__import__('nbfleet.kernel').kernel.restore()"
-
-
-class Kernel:
-    """A real kernel started the way the agent starts one, driven by a blocking client."""
-
-    def __init__(self, state_dir: Path, workdir: Path) -> None:
-        self.state_dir = state_dir
-        self.manager = KernelManager(kernel_name="python3")
-        env = {**os.environ, "NBFLEET_STATE_DIR": str(state_dir),
-               "NBFLEET_PREIMPORT": "numpy, no_such_module_xyz"}
-        self.manager.start_kernel(extra_arguments=["--ext", "nbfleet.kernel"], env=env,
-                                  cwd=str(workdir))
-        self.client = self.manager.client()
-        self.client.start_channels()
-        self.client.wait_for_ready(timeout=60)
-
-    def execute(
-        self, code: str, *, silent: bool = False, user_expressions: dict[str, str] | None = None
-    ) -> tuple[dict[str, Any], str, float]:
-        """(execute_reply content, stdout+errors, seconds until the reply arrived)."""
-        started = time.perf_counter()
-        msg_id = self.client.execute(code, silent=silent, store_history=not silent,
-                                     user_expressions=user_expressions or {})
-        reply = self.client.get_shell_msg(timeout=60)
-        while reply["parent_header"]["msg_id"] != msg_id:
-            # wait_for_ready() may leave a second kernel_info_reply behind under load
-            assert reply["msg_type"] == "kernel_info_reply", reply
-            reply = self.client.get_shell_msg(timeout=60)
-        elapsed = time.perf_counter() - started
-        out = []
-        while True:
-            msg = self.client.get_iopub_msg(timeout=60)
-            if msg["parent_header"].get("msg_id") != msg_id:
-                continue
-            if msg["msg_type"] == "stream":
-                out.append(msg["content"]["text"])
-            elif msg["msg_type"] == "error":
-                out.append("\n".join(msg["content"]["traceback"]))
-            elif msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
-                break
-        return reply["content"], "".join(out), elapsed
-
-    def cell(self, code: str) -> str:
-        reply, out, _ = self.execute(code)
-        assert reply["status"] == "ok", out
-        return out
-
-    def value(self, expression: str) -> Any:
-        """Evaluate a JSON-able expression without running a cell (no capture hooks)."""
-        reply, _, _ = self.execute(
-            "", silent=True, user_expressions={"v": f"__import__('json').dumps({expression})"})
-        result = reply["user_expressions"]["v"]
-        assert result["status"] == "ok", result
-        return json.loads(ast.literal_eval(result["data"]["text/plain"]))
-
-    def call(self, api: str) -> dict[str, Any]:
-        """Call flush()/restore() as the agent does: a silent execute request."""
-        reply, out, _ = self.execute(f"__nbfleet_result = {api}", silent=True)
-        assert reply["status"] == "ok", out
-        result: dict[str, Any] = self.value("__nbfleet_result")
-        return result
-
-    def stop(self) -> None:
-        self.client.stop_channels()
-        self.manager.shutdown_kernel(now=True)
-
 
 @pytest.fixture
 def start_kernel(tmp_path: Path) -> Iterator[Callable[[str], Kernel]]:
@@ -94,21 +23,13 @@ def start_kernel(tmp_path: Path) -> Iterator[Callable[[str], Kernel]]:
     kernels: list[Kernel] = []
 
     def start(name: str) -> Kernel:
-        kernel = Kernel(tmp_path / f"state-{name}", workdir)
+        kernel = Kernel(tmp_path / f"state-{name}", workdir, preimport="numpy, no_such_module_xyz")
         kernels.append(kernel)
         return kernel
 
     yield start
     for kernel in kernels:
         kernel.stop()
-
-
-def copy_snapshot(source: Path, target: Path) -> None:
-    """What the agent does between suspend and resume."""
-    target.mkdir(parents=True, exist_ok=True)
-    shutil.copy(source / "manifest.json", target / "manifest.json")
-    if (source / "blobs").is_dir():
-        shutil.copytree(source / "blobs", target / "blobs")
 
 
 def blob_stats(state_dir: Path) -> dict[str, tuple[int, int]]:

@@ -78,9 +78,9 @@ def test_paths_under_the_start_directory_move_with_it(tmp_path: Path,
     monkeypatch.setattr(sys, "path", ["/lib"])
     doc = {"cwd": {"start": str(old), "now": str(old / "data")},
            "path": {"start": str(old), "base": ["/lib"], "now": [str(old / "pkgs"), "/lib"]}}
-    baseline = settings.Baseline({}, ["/lib"], str(new), ipysettings.Baseline({}, frozenset(),
-                                                                               frozenset(),
-                                                                               frozenset()))
+    baseline = settings.Baseline({}, ["/lib"], str(new),
+                                 ipysettings.Baseline({}, frozenset(), frozenset(), frozenset()),
+                                 [])
     outcome = settings.prepare(doc, baseline)
     assert outcome.lost == [] and Path.cwd() == new / "data"
     assert sys.path == [str(new / "pkgs"), "/lib"]
@@ -226,3 +226,34 @@ def test_configuration_calls_are_recorded_as_typed() -> None:
                 "sp.init_printing(use_latex=True)"))
     assert log.calls == ["get_ipython().run_line_magic('matplotlib', 'widget')",
                          "sp.init_printing(use_latex=True)"]  # the last backend only
+
+
+def test_a_warning_already_shown_is_not_shown_again_after_resume(
+        session: Session, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        request: pytest.FixtureRequest) -> None:
+    (tmp_path / "nbf_warner.py").write_text(
+        "import warnings\ndef fit():\n    warnings.warn('did not converge', RuntimeWarning)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    request.addfinalizer(lambda: sys.modules.pop("nbf_warner", None))  # and its registry
+    shown: list[str] = []
+    monkeypatch.setattr(warnings, "showwarning", lambda message, *args, **kw: shown.append(
+        str(message)))
+    with warnings.catch_warnings():
+        warnings.resetwarnings()  # Python's own defaults, not pytest's "always"
+        warnings.simplefilter("default")
+        session.cell("import nbf_warner\nnbf_warner.fit()")
+        session.cell("nbf_warner.fit()")
+        assert shown == ["did not converge"]  # once per place, as Python shows it
+        session.cell("import warnings\nwarnings.filterwarnings('ignore', message='nbf-noise')")
+        session.suspend()
+
+        def fresh() -> None:  # a new kernel: its modules have seen nothing
+            vars(sys.modules["nbf_warner"]).pop("__warningregistry__", None)
+            warnings.filters[:] = [f for f in warnings.filters
+                                   if not (f[1] and f[1].pattern == "nbf-noise")]
+            warnings._filters_mutated()  # type: ignore[attr-defined]
+
+        report = session.resume(fresh)
+        assert {"warnings already shown", "warning filters"} <= set(report["settings"])
+        session.cell("nbf_warner.fit()\nwarnings.warn('nbf-noise')")
+    assert shown == ["did not converge"]

@@ -103,13 +103,7 @@ def test_the_pool_keeps_the_most_recent_import_sets_only() -> None:
 def test_the_refill_starts_plain_kernels_first_then_prepared_ones() -> None:
     async def main() -> None:
         p = pool(target=2, profiles=2)
-        started: list[frozenset[str]] = []
-
-        async def start_one(modules: frozenset[str] = frozenset()) -> Warm:
-            started.append(modules)
-            return warm(modules)
-
-        p._start_one = start_one  # type: ignore[method-assign]
+        started = recording(p)
         p.demand.update({SK: 1, SP: 3})
         p.start()
         for _ in range(50):
@@ -149,16 +143,22 @@ def test_a_set_whose_kernel_does_not_start_is_dropped() -> None:
     asyncio.run(main())
 
 
+def recording(p: WarmPool) -> list[frozenset[str]]:
+    """The import sets of the kernels ``p`` starts (no real kernel is started)."""
+    started: list[frozenset[str]] = []
+
+    async def start_one(modules: frozenset[str] = frozenset()) -> Warm:
+        started.append(modules)
+        return warm(modules)
+
+    p._start_one = start_one  # type: ignore[method-assign]
+    return started
+
+
 def test_the_refill_waits_while_resumes_are_placed(monkeypatch: pytest.MonkeyPatch) -> None:
     async def main() -> None:
         p = pool(target=1, delay=0.05)
-        started: list[frozenset[str]] = []
-
-        async def start_one(modules: frozenset[str] = frozenset()) -> Warm:
-            started.append(modules)
-            return warm(modules)
-
-        p._start_one = start_one  # type: ignore[method-assign]
+        started = recording(p)
         with p.placing():
             p.start()
             await asyncio.sleep(0.3)
@@ -180,13 +180,7 @@ def test_a_burst_that_never_ends_still_gets_its_pool_refilled(
         monkeypatch: pytest.MonkeyPatch) -> None:
     async def main() -> None:
         p = pool(target=1, delay=0.01)
-        started: list[frozenset[str]] = []
-
-        async def start_one(modules: frozenset[str] = frozenset()) -> Warm:
-            started.append(modules)
-            return warm(modules)
-
-        p._start_one = start_one  # type: ignore[method-assign]
+        started = recording(p)
         with p.placing():
             p.start()
             await asyncio.sleep(0.4)

@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from nbfleet.kernel import gpu, ipysettings
+from nbfleet.kernel import gpu, ipysettings, warnstate
 from nbfleet.kernel.ipysettings import Outcome
 
 __all__ = ["SETTING", "Baseline", "CallLog", "Outcome", "capture", "finish", "prepare"]
@@ -34,10 +34,12 @@ class Baseline:
     path: list[str]
     cwd: str
     ipython: ipysettings.Baseline
+    warning_filters: list[Any]
 
     @classmethod
     def take(cls, shell: Any) -> Baseline:
-        return cls(dict(os.environ), list(sys.path), os.getcwd(), ipysettings.Baseline.take(shell))
+        return cls(dict(os.environ), list(sys.path), os.getcwd(), ipysettings.Baseline.take(shell),
+                   warnstate.baseline())
 
 
 class CallLog:
@@ -78,6 +80,7 @@ def capture(shell: Any, baseline: Baseline, calls: CallLog) -> dict[str, Any]:
         "random": random.getstate(),
         "execution_count": int(getattr(shell, "execution_count", 1)),
         "ipython": ipysettings.capture(shell, baseline.ipython, calls.calls),
+        "warnings": warnstate.capture(shell, baseline.warning_filters),
     }
     np: Any = sys.modules.get("numpy")
     if np is not None:
@@ -139,6 +142,10 @@ def finish(shell: Any, doc: dict[str, Any], outputs: dict[Any, object] | None) -
     last (nothing a restore runs may draw from them afterwards)."""
     done = ipysettings.finish(shell, doc.get("ipython", {}))
     _restore_history(shell, doc, outputs, done)
+    restored, lost = warnstate.restore(shell, doc.get("warnings", {}))
+    done.done += restored
+    for name, reason in lost:
+        done.fail(name, reason)
     if "random" in doc:
         try:
             random.setstate(doc["random"])

@@ -1,0 +1,20 @@
+"""Real notebooks suspended and resumed at three cut points each (the ``models``
+group of ``harness.GROUPS``; sources in ``notebooks/SOURCES.md``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.fidelity.harness import GROUPS, NOTEBOOKS, group_test
+
+#: Real kernels and files only: the PostgreSQL pass of `make test` skips it.
+pytestmark = [pytest.mark.no_db, pytest.mark.timeout(600)]
+
+test_a_resumed_notebook_carries_on_as_if_it_never_stopped = group_test("models")
+
+
+def test_every_notebook_kept_is_run_by_one_group() -> None:
+    grouped = sorted(name for names in GROUPS.values() for name in names)
+    kept = sorted(path.stem for path in NOTEBOOKS.glob("*.ipynb"))
+    assert grouped == kept
+    assert len(kept) >= 10
