@@ -140,6 +140,11 @@ class Replay:
                              f"warm containers ready on {args[0]}")
         elif kind == "tick":
             assert step.decisions == [], "the trace must not depend on autoscaler passes"
+            # The simulator's only pass is at its start; the live one's first waits for
+            # hosts to report (the agent timeout). Here, not in the middle of the trace
+            # where the state may call for a host: the pass is one event, as simulated.
+            await self.until(lambda view: view["autoscaler_passes"] >= 1,
+                             "the autoscaler's first pass")
         elif kind == "open":
             await self.open(args[0])
         elif kind == "submit":

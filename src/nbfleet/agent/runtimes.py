@@ -126,11 +126,9 @@ class RuntimeManager:
             runtime = self.runtimes.get(workspace_id)
             if runtime is None:
                 devices = self.gpu_devices if gpus else ()
-                with self.pool.placing():  # the pool's refill waits for a burst of these
-                    return await self._place(workspace_id, generation, wanted,
-                                             snapshot or {}, packages,
-                                             self.isolation.limits.over(limits), network,
-                                             devices)
+                return await self._place(workspace_id, generation, wanted, snapshot or {},
+                                         packages, self.isolation.limits.over(limits),
+                                         network, devices)
             runtime.generation = generation
             for kernel_id, name in wanted:
                 if kernel_id not in runtime.kernels:

@@ -27,7 +27,7 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client import Counter, Gauge
@@ -51,8 +51,6 @@ HIT_RATIO = Gauge("nbfleet_agent_warm_pool_hit_ratio",
                   "Share of claims the warm pool served since the agent started")
 
 KERNEL_NAME = "python3"
-#: The refill waits at most this long for resumes to stop being placed.
-HOLD_MAX_S = 10.0
 
 
 @dataclass
@@ -78,7 +76,6 @@ class WarmPool:
         self.demand: OrderedDict[frozenset[str], int] = OrderedDict()
         self.hits = 0
         self.misses = 0
-        self._placing = 0
         self._last_claim = float("-inf")
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -116,15 +113,6 @@ class WarmPool:
                 self._discard_later(warm)
         self.start()
         self._wake.set()
-
-    @contextlib.contextmanager
-    def placing(self) -> Iterator[None]:
-        """Held while a resume is placed: the refill waits until none is."""
-        self._placing += 1
-        try:
-            yield
-        finally:
-            self._placing -= 1
 
     def claim(self, kernel_name: str, needs: frozenset[str] = frozenset()) -> Warm | None:
         """A ready kernel for ``kernel_name`` whose prepared modules are all in
@@ -167,14 +155,12 @@ class WarmPool:
         return next((m for m in reversed(self.demand) if m not in held), None)
 
     async def _quiet(self) -> None:
-        """Until no resume is being placed and none claimed a kernel for
-        ``refill_delay_s`` (at most HOLD_MAX_S): a kernel start takes a CPU for about
-        a second, which the restores of a burst need more."""
-        deadline = time.monotonic() + HOLD_MAX_S
-        while time.monotonic() < deadline:
-            if not self._placing and time.monotonic() - self._last_claim >= self.refill_delay_s:
-                return
-            await asyncio.sleep(0.05)
+        """Wait ``refill_delay_s`` after the last claim: the claims of a burst come
+        together, and a kernel start takes a CPU for about a second.
+
+        It does not wait for resumes being placed: that held the GPU scheduler's
+        prewarms back for seconds while it moved kernels (``docs/decisions.md``)."""
+        await asyncio.sleep(max(0.0, self._last_claim + self.refill_delay_s - time.monotonic()))
 
     async def _refill_forever(self) -> None:
         while True:

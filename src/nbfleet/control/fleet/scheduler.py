@@ -153,6 +153,9 @@ class LiveScheduler:
         self._waiters: dict[str, _Waiter] = {}
         self.running: dict[str, RunningCell] = {}
         self.log: deque[LoggedDecision] = deque(maxlen=DECISION_LOG)
+        #: Autoscaler passes run so far: the simulator's first comes at its start, the
+        #: live one's once hosts had time to report (``FleetService.take_over``).
+        self.autoscaler_passes = 0
         #: Decisions logged since this scheduler started (the next one's ``seq``).
         self.logged = 0
 
@@ -301,6 +304,7 @@ class LiveScheduler:
 
     # ---------------------------------------------------------------- periodic
     def tick(self) -> None:
+        self.autoscaler_passes += 1
         self._apply(self.policy.tick(self.now()))
 
     def snapshot(self) -> FleetSnapshot:

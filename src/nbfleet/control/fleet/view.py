@@ -66,6 +66,7 @@ def fleet_view(scheduler: LiveScheduler) -> dict[str, Any]:
         "hosts": [host_view(h, scheduler) for _, h in sorted(policy.hosts.items())],
         "queue": queue,
         "running": running,
+        "autoscaler_passes": scheduler.autoscaler_passes,
     }
 
 
