@@ -33,7 +33,7 @@ from tests.support.real_kernel import FLUSH, RESTORE, Kernel, copy_snapshot
 
 PROBE = Path(__file__).with_name("probe.py")
 SEED = "__import__('random').seed(1996); __import__('numpy').random.seed(1996)"
-PAUSE = "__import__('nbfleet.kernel')._capture.idle()"
+PAUSE = "__import__('nbfleet.kernel').kernel._capture.idle()"
 VOLATILE = [
     (re.compile(r"0x[0-9a-fA-F]{6,}"), "0x@"),
     (re.compile(r"\w{3}, \d{2} \w{3} \d{4}"), "<date>"),  # statsmodels' summary tables
@@ -60,6 +60,13 @@ def cut_points(cells: list[str]) -> list[int]:
     """A quarter, half and three quarters through: after the data, the models, the plots."""
     count = len(cells)
     return sorted({max(1, count * k // 4) for k in (1, 2, 3)})
+
+
+def _kinds(outputs: list[str]) -> list[str]:
+    """What a cell showed, without its content: "png", "stdout:", "status ok", an
+    error's name."""
+    return [text.split(" ")[0] if not text.startswith(("status", "error"))
+            else " ".join(text.split(" ")[:2]) for text in outputs]
 
 
 def _diff(expected: list[str], actual: list[str]) -> str:
@@ -97,7 +104,8 @@ def run_cell(kernel: Kernel, code: str) -> list[str]:
                 png = base64.b64decode(data["image/png"])
                 outputs.append(f"png {hashlib.sha256(png).hexdigest()}")
             else:
-                outputs.append(f"{kind}: {_stable(data.get('text/plain', sorted(data)[0]))}")
+                text = data.get("text/plain", data[sorted(data)[0]])
+                outputs.append(f"{kind}: {_stable(str(text))}")
         elif kind == "error":
             outputs.append(f"error {content['ename']}: {_stable(content['evalue'])}")
         elif kind == "status" and content["execution_state"] == "idle":
@@ -108,7 +116,8 @@ def run_cell(kernel: Kernel, code: str) -> list[str]:
     outputs = [_stable(text) if text.startswith(("stdout", "stderr")) else text
                for text in outputs]
     outputs.append(f"status {reply['content']['status']}")
-    kernel.execute("", silent=True, user_expressions={"idle": PAUSE})
+    paused, _, _ = kernel.execute("", silent=True, user_expressions={"idle": PAUSE})
+    assert paused["user_expressions"]["idle"]["status"] == "ok", paused  # the pause held
     time.sleep(0.02)
     return outputs
 
@@ -178,19 +187,21 @@ class NotebookRun:
             kernel.stop()
 
     def _same(self, index: int, outputs: list[str], truth: list[list[str]]) -> bool:
-        """Equal to the uninterrupted run's; a mismatch runs the notebook uninterrupted
-        once more, and a cell that differs between the two is not held against a resume."""
+        """Equal to the uninterrupted run's. A mismatch runs the notebook uninterrupted
+        once more: a cell that differs between the two (or is known to, ``UNSTABLE``)
+        must still give the same kinds of output with the same status, in order."""
         if outputs == truth[index]:
             return True
-        if (self.name, index) in UNSTABLE:
-            self.findings.nondeterministic.add(index)
-            return True
-        if self._again is None:
-            self._again = self.truth("u2")
-        if self._again[index] != truth[index]:
-            self.findings.nondeterministic.add(index)
-            return True
-        return False
+        unstable = (self.name, index) in UNSTABLE
+        if not unstable:
+            if self._again is None:
+                self._again = self.truth("u2")
+            if self._again[index] == truth[index]:
+                return False
+            if outputs == self._again[index]:
+                return True
+        self.findings.nondeterministic.add(index)
+        return _kinds(outputs) == _kinds(truth[index])
 
     def with_suspends(self, truth: list[list[str]]) -> list[Cut]:
         kernel = self._kernel("a", "work", seeded=True)
@@ -292,5 +303,5 @@ def check_notebook(name: str, tmp: Path) -> Findings:
           f"{findings.relations_checked} relations, {findings.cells_compared} cells compared, "
           f"nondeterministic cells {sorted(findings.nondeterministic)}")
     assert findings.cells_compared > 0
-    assert len(findings.nondeterministic) * 2 < len(run.cells), "too few cells to judge by"
+    assert len(findings.nondeterministic) <= 5, "too many cells to excuse"
     return findings

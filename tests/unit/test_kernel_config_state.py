@@ -241,10 +241,10 @@ def test_a_warning_already_shown_is_not_shown_again_after_resume(
     with warnings.catch_warnings():
         warnings.resetwarnings()  # Python's own defaults, not pytest's "always"
         warnings.simplefilter("default")
+        session.cell("import warnings\nwarnings.filterwarnings('ignore', message='nbf-noise')")
         session.cell("import nbf_warner\nnbf_warner.fit()")
         session.cell("nbf_warner.fit()")
         assert shown == ["did not converge"]  # once per place, as Python shows it
-        session.cell("import warnings\nwarnings.filterwarnings('ignore', message='nbf-noise')")
         session.suspend()
 
         def fresh() -> None:  # a new kernel: its modules have seen nothing
@@ -257,3 +257,35 @@ def test_a_warning_already_shown_is_not_shown_again_after_resume(
         assert {"warnings already shown", "warning filters"} <= set(report["settings"])
         session.cell("nbf_warner.fit()\nwarnings.warn('nbf-noise')")
     assert shown == ["did not converge"]
+
+
+def test_warning_state_never_fails_a_suspend_or_wakes_a_lazy_module(
+        session: Session, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+    import types
+
+    from nbfleet.kernel import warnstate
+
+    class Loader(importlib.abc.Loader):
+        def create_module(self, spec: Any) -> None:
+            return None
+
+        def exec_module(self, module: types.ModuleType) -> None:
+            raise RuntimeError("a lazy module was loaded by the suspend")
+
+    spec = importlib.util.spec_from_loader("nbf_lazy", importlib.util.LazyLoader(Loader()))
+    assert spec is not None
+    lazy = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(lazy)
+    monkeypatch.setitem(sys.modules, "nbf_lazy", lazy)
+    session.cell("x = 1")
+    session.suspend()  # reads every module's registry: the lazy one stays unloaded
+
+    def boom(shell: Any, doc: dict[str, Any]) -> tuple[list[str], list[tuple[str, str]]]:
+        raise RuntimeError("broken")
+
+    monkeypatch.setattr(warnstate, "restore", boom)
+    report = session.resume()
+    assert session.ns["x"] == 1
+    assert "warnings already shown" in by_name(report)

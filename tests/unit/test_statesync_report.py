@@ -270,3 +270,15 @@ def test_describe_a_files_only_resume() -> None:
               "restored": [], "changed": [], "recomputed": [], "lost": [], "settings": []}
     assert restore_report.describe(report) == (
         "[nbfleet] Resumed with your files only: corrupt snapshot: bad.\n")
+
+
+def test_each_name_is_in_one_list_only() -> None:
+    body = {"restored": ["a", "b", "c"], "recomputed": ["b", "r"], "changed": ["c"],
+            "lost": [{"name": "a", "type": "int", "reason": "x"},
+                     {"name": "c", "type": "int", "reason": "y", "status": "changed"},
+                     {"name": "gone", "type": "socket", "reason": "z"}]}
+    report = restore_report.clean_report(body)
+    assert report["restored"] == ["a", "b"]
+    assert report["recomputed"] == ["r"]
+    assert [entry["name"] for entry in report["changed"]] == ["c"]
+    assert [entry["name"] for entry in report["lost"]] == ["gone"]

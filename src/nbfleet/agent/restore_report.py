@@ -53,11 +53,15 @@ def clean_report(body: dict[str, Any]) -> dict[str, Any]:
     for name in _names(body.get("changed")):  # reported without a reason in ``lost``
         if len(changed) < REPORT_ENTRIES:
             changed.setdefault(name, {"name": name, "type": "?", "reason": DIFFERS})
+    restored = [name for name in _names(body.get("restored")) if name not in changed]
+    recomputed = [name for name in _names(body.get("recomputed"))
+                  if name not in changed and name not in set(restored)]
+    placed = set(restored) | set(recomputed) | set(changed)
     report: dict[str, Any] = {
-        "restored": [name for name in _names(body.get("restored")) if name not in changed],
+        "restored": restored,
         "changed": list(changed.values()),
-        "recomputed": _names(body.get("recomputed")),
-        "lost": lost,
+        "recomputed": recomputed,
+        "lost": [entry for entry in lost if entry["name"] not in placed],
         "settings": settings[:REPORT_ENTRIES],
     }
     if "imports" in body:

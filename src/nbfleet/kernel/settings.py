@@ -80,8 +80,11 @@ def capture(shell: Any, baseline: Baseline, calls: CallLog) -> dict[str, Any]:
         "random": random.getstate(),
         "execution_count": int(getattr(shell, "execution_count", 1)),
         "ipython": ipysettings.capture(shell, baseline.ipython, calls.calls),
-        "warnings": warnstate.capture(shell, baseline.warning_filters),
     }
+    try:  # a warning registry is a best effort: it never fails a suspend
+        doc["warnings"] = warnstate.capture(shell, baseline.warning_filters)
+    except Exception as error:
+        doc["warnings"] = {"error": repr(error)[:300]}
     np: Any = sys.modules.get("numpy")
     if np is not None:
         doc["numpy.random"] = np.random.get_state()
@@ -138,11 +141,18 @@ def _restore_path(path: dict[str, Any], start: str) -> None:
 
 
 def finish(shell: Any, doc: dict[str, Any], outputs: dict[Any, object] | None) -> Outcome:
-    """After values are loaded: IPython's settings, history, counter, then the RNGs
-    last (nothing a restore runs may draw from them afterwards)."""
+    """After values are loaded: IPython's settings, history, counter, warning filters
+    and registries, then the RNGs last (nothing a restore runs may draw from them
+    afterwards)."""
     done = ipysettings.finish(shell, doc.get("ipython", {}))
     _restore_history(shell, doc, outputs, done)
-    restored, lost = warnstate.restore(shell, doc.get("warnings", {}))
+    warned = doc.get("warnings", {})
+    try:
+        restored, lost = warnstate.restore(shell, warned)
+    except Exception as error:  # never a reason to fail the resume
+        restored, lost = [], [("warnings already shown", repr(error))]
+    if "error" in warned:
+        lost.append(("warnings already shown", f"not saved at suspend: {warned['error']}"))
     done.done += restored
     for name, reason in lost:
         done.fail(name, reason)

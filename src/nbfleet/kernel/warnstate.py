@@ -15,9 +15,10 @@ registry that a warning of its own sets.
 
 from __future__ import annotations
 
-import importlib
+import contextlib
 import re
 import sys
+import types
 import warnings
 from typing import Any
 
@@ -40,11 +41,12 @@ def _category_ref(category: object) -> list[str] | None:
 
 
 def _category(ref: list[str]) -> type[Warning] | None:
+    """The class, from a module already loaded (never an import: it could run anything)."""
+    value: Any = sys.modules.get(ref[0])
     try:
-        value: Any = importlib.import_module(ref[0])
         for part in ref[1].split("."):
             value = getattr(value, part)
-    except (ImportError, AttributeError, ValueError):
+    except Exception:  # a module's __getattr__ may raise anything
         return None
     return value if isinstance(value, type) and issubclass(value, Warning) else None
 
@@ -79,20 +81,38 @@ def _shown(registry: object) -> list[list[Any]]:
     return entries
 
 
-def _registry_of(module: object) -> object:
-    try:
-        return vars(module).get(REGISTRY)  # never a module's __getattr__ (lazy imports)
-    except TypeError:
+def _namespace(module: object) -> dict[str, Any] | None:
+    """A real module's own dict, read without running anything: ``vars()`` would load
+    a lazily imported module (``importlib.util.LazyLoader``)."""
+    if not isinstance(module, types.ModuleType):
         return None
+    try:
+        namespace = object.__getattribute__(module, "__dict__")
+    except AttributeError:
+        return None
+    return namespace if isinstance(namespace, dict) else None
+
+
+def _registry_of(module: object, version: int | None) -> object:
+    """The module's registry if it is current: a registry of an older filter version
+    is void (the interpreter clears it at the next warning), so it is not kept."""
+    namespace = _namespace(module)
+    registry = namespace.get(REGISTRY) if namespace is not None else None
+    if isinstance(registry, dict) and version is not None and registry.get("version") == version:
+        return registry
+    return None
 
 
 def capture(shell: Any, start_filters: list[Any]) -> dict[str, Any]:
     """Picklable data only: no classes, patterns or registries by reference."""
     shown: dict[str, list[list[Any]]] = {}
     total = 0
-    main = _shown(getattr(shell, "user_ns", {}).get(REGISTRY))
-    modules = [("__main__", main)] + [
-        (name, _shown(_registry_of(module)))
+    version = _filters_version()
+    user_ns = getattr(shell, "user_ns", {})
+    main = user_ns.get(REGISTRY)
+    current = isinstance(main, dict) and version is not None and main.get("version") == version
+    modules = [("__main__", _shown(main) if current else [])] + [
+        (name, _shown(_registry_of(module, version)))
         for name, module in list(sys.modules.items()) if name != "__main__"]
     for name, entries in modules:
         if entries and total < LIMIT:
@@ -129,7 +149,8 @@ def _filters_version() -> int | None:
         warnings.warn_explicit("probe", PendingDeprecationWarning, "<nbfleet>", 0,
                                module=_PROBE_MODULE, registry=registry)
     finally:
-        live.remove(probe)
+        with contextlib.suppress(ValueError):  # another thread reset the filters
+            live.remove(probe)
     version = registry.get("version")
     return version if isinstance(version, int) else None
 
@@ -140,12 +161,15 @@ def restore(shell: Any, doc: dict[str, Any]) -> tuple[list[str], list[tuple[str,
     lost: list[tuple[str, str]] = []
     if "filters" in doc:
         filters = _rebuilt_filters(doc["filters"])
+        mutated = getattr(warnings, "_filters_mutated", None)  # CPython 3.11 to 3.13
         if filters is None:
-            lost.append(("warning filters", "a filter's warning category cannot be imported"))
+            lost.append(("warning filters", "a filter's warning category is not loaded"))
+        elif not callable(mutated):
+            lost.append(("warning filters", "this Python's warnings module is not supported"))
         else:
             live: list[Any] = warnings.filters  # type: ignore[assignment]  # a list at runtime
             live[:] = filters
-            warnings._filters_mutated()  # type: ignore[attr-defined]
+            mutated()
             done.append("warning filters")
     shown = doc.get("shown", {})
     if not shown:
@@ -154,20 +178,27 @@ def restore(shell: Any, doc: dict[str, Any]) -> tuple[list[str], list[tuple[str,
     if version is None:
         lost.append(("warnings already shown", "the interpreter's filter version is unknown"))
         return done, lost
+    applied = skipped = 0
     for name, entries in shown.items():
-        owner = shell.user_ns if name == "__main__" else vars(sys.modules[name]) \
-            if name in sys.modules else None
-        if owner is None:
-            continue  # not imported again yet: its warnings may show once more
-        registry = owner.setdefault(REGISTRY, {})
+        owner = shell.user_ns if name == "__main__" else _namespace(sys.modules.get(name))
+        registry = owner.setdefault(REGISTRY, {}) if owner is not None else None
         if not isinstance(registry, dict):
+            skipped += len(entries)  # not imported again yet: may show once more
             continue
         if registry.get("version") != version:
             registry.clear()
             registry["version"] = version
         for text, ref, lineno in entries:
             category = _category(ref)
-            if category is not None:
+            if category is None:
+                skipped += 1
+            else:
                 registry[(text, category, lineno)] = True
-    done.append("warnings already shown")
+                applied += 1
+    if applied:
+        done.append("warnings already shown")
+    if skipped:
+        lost.append(("warnings already shown" if not applied else "some warnings already shown",
+                     f"{skipped} of {applied + skipped} belong to modules or categories not "
+                     "loaded again yet: they may show once more"))
     return done, lost
