@@ -76,6 +76,15 @@ def _content(value: Any, depth: int = 0) -> str:
                  len(ax.patches), len(ax.texts), len(ax.collections))
                 for ax in value.get_axes()]
         return f"figure{value.get_size_inches().tolist()}{axes}"
+    if hasattr(value, "get_figure") and hasattr(value, "stale"):  # another artist
+        # What shows, not its caches and callbacks (which a restore rebuilds).
+        parts = [type(value).__qualname__, str(value.get_label())]
+        if hasattr(value, "get_xlabel"):  # axes
+            parts += [value.get_title(), value.get_xlabel(), value.get_ylabel(),
+                      str(len(value.lines)), str(len(value.patches)), str(len(value.texts))]
+        if hasattr(value, "get_texts"):
+            parts += [text.get_text() for text in value.get_texts()]
+        return "artist:" + "|".join(parts)
     if isinstance(value, (list, dict)) and depth < 2:
         items = list(value.items()) if isinstance(value, dict) else list(enumerate(value))
         return "[" + ",".join(f"{k!r}:{_content(v, depth + 1)}" for k, v in items[:200]) + "]"
@@ -84,7 +93,7 @@ def _content(value: Any, depth: int = 0) -> str:
     except Exception as error:  # a repr that raises is still a fingerprint
         text = f"<repr raised {type(error).__name__}>"
     fields = ""
-    if depth < 1 and not isinstance(value, ATOMIC) and hasattr(value, "__dict__"):
+    if depth < 2 and not isinstance(value, ATOMIC) and hasattr(value, "__dict__"):
         try:
             attributes = sorted(vars(value).items())[:40]
         except TypeError:
