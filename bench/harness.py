@@ -197,9 +197,14 @@ async def workspace_kernel(url: str, home: Path, name: str = "bench",
                                   json={"name": "python3"})
         started.raise_for_status()
         kernel_id: str = started.json()["id"]
-    ws_url = (url.replace("http", "ws", 1)
-              + f"/v1/workspaces/{workspace}/api/kernels/{kernel_id}/channels")
-    return await KernelSocket.connect(ws_url, token), kernel_id, workspace, token
+    return (await KernelSocket.connect(channels_url(url, workspace, kernel_id), token),
+            kernel_id, workspace, token)
+
+
+def channels_url(url: str, workspace: str, kernel_id: str) -> str:
+    """The WebSocket address of a workspace kernel's channels on ``url``."""
+    return (url.replace("http", "ws", 1)
+            + f"/v1/workspaces/{workspace}/api/kernels/{kernel_id}/channels")
 
 
 async def grant_credits(url: str, home: Path, org: str, micro_credits: int,

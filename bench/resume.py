@@ -39,7 +39,7 @@ import httpx
 from jupyter_client.asynchronous.client import AsyncKernelClient
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from harness import direct_kernel, emit, nbfleet_up, p95, stderr, workspace_kernel
+from harness import channels_url, direct_kernel, emit, nbfleet_up, p95, stderr, workspace_kernel
 from nbfleet.sdk.kernel_socket import KernelSocket
 from resume_load import burst, heavy_available, heavy_cycles, timed
 
@@ -109,8 +109,7 @@ async def cycles(path: str, count: int, root: Path) -> dict[str, float]:
                 await run_cell(sock, cell)
             expected = await run_cell(sock, CHECK)
             await sock.close()
-            ws_url = (url.replace("http", "ws", 1)
-                      + f"/v1/workspaces/{workspace}/api/kernels/{kernel}/channels")
+            ws_url = channels_url(url, workspace, kernel)
             resumes, suspends, sizes, paths = [], [], [], []
             columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                        TimeElapsedColumn())

@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from harness import admin_headers, nbfleet_up, p95, stderr, workspace_kernel
+from harness import admin_headers, channels_url, nbfleet_up, p95, stderr, workspace_kernel
 from nbfleet.sdk.kernel_socket import KernelSocket
 
 WAIT_S = 120
@@ -124,8 +124,7 @@ async def heavy_cycles(kind: str, count: int, root: Path) -> dict[str, float]:
             await run_cell(sock, cell)
         expected = await run_cell(sock, HEAVY_CHECK)
         await sock.close()
-        ws_url = (url.replace("http", "ws", 1)
-                  + f"/v1/workspaces/{workspace}/api/kernels/{kernel}/channels")
+        ws_url = channels_url(url, workspace, kernel)
         times: list[float] = []
         matches = 0
         async with httpx.AsyncClient(base_url=url, timeout=WAIT_S + 30,
@@ -196,8 +195,7 @@ async def burst(size: int, alone: int, root: Path) -> dict[str, float]:
             stderr.print(f"burst: resuming {size} workspaces at once")
             results = await asyncio.gather(*(cycle(i) for i in range(size)))
             for workspace, kernel, token, expected in built:
-                ws_url = (url.replace("http", "ws", 1)
-                          + f"/v1/workspaces/{workspace}/api/kernels/{kernel}/channels")
+                ws_url = channels_url(url, workspace, kernel)
                 sock = await KernelSocket.connect(ws_url, token)
                 got = await run_cell(sock, LIGHT_CHECK)
                 await sock.close()
