@@ -14,7 +14,6 @@ the case where a name changed through another used to stay stale).
 
 from __future__ import annotations
 
-import ast
 import base64
 import difflib
 import hashlib
@@ -131,12 +130,7 @@ def _probe(kernel: Kernel, call: str) -> Any:
     function, _, arguments = call.partition("(")
     expression = (f"__import__('runpy').run_path({str(PROBE)!r})[{function!r}]"
                   f"(get_ipython().user_ns{', ' if arguments != ')' else ''}{arguments}")
-    reply, _, _ = kernel.execute("", silent=True, user_expressions={"v": expression})
-    result = reply["user_expressions"]["v"]
-    assert result["status"] == "ok", result
-    text = ast.literal_eval(result["data"]["text/plain"])
-    assert isinstance(text, str)
-    return json.loads(text)
+    return kernel.value(f"__import__('json').loads({expression})")
 
 
 @dataclass
