@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 import secrets
@@ -88,6 +89,20 @@ def load_agent_id(state_dir: str) -> str:
     return agent_id
 
 
+def local_id(agent_id: str, state_dir: str) -> str:
+    """The name of this agent's resources that are shared by the whole machine (its
+    socket directory under /tmp, its cgroup, its network namespaces).
+
+    The agent id alone is unique within one fleet only: two fleets on one machine (a
+    staging and a production agent, two test clusters) may both have a
+    ``host-00001``, and each would sweep and kill the other's kernels as leftovers of
+    its own earlier boot. The state directory tells them apart, and stays the same
+    across restarts, so a restarted agent still finds its own leftovers.
+    """
+    digest = hashlib.sha256(os.path.realpath(state_dir).encode()).hexdigest()[:8]
+    return f"{agent_id}-{digest}"
+
+
 def kernelspecs() -> dict[str, Any]:
     specs = KernelSpecManager().get_all_specs()
     return {
@@ -146,13 +161,14 @@ class AgentService:
         self.runtimes: RuntimeManager | None = None
         self.jobs: JobRunner | None = None
         self.state_dir = os.path.realpath(config.state_dir)
+        self.local_id = local_id(self.agent_id, self.state_dir)
         # IPC socket paths must fit in 107 bytes, so they live under a short path.
-        self.sockets_dir = os.path.join(tempfile.gettempdir(), f"nbfleet-{self.agent_id}")
+        self.sockets_dir = os.path.join(tempfile.gettempdir(), f"nbfleet-{self.local_id}")
         self.isolation = open_isolation(
             config.sandbox,
             [self.state_dir, self.sockets_dir,
              *(os.path.realpath(p) for p in config.hidden_paths)],
-            os.path.join(self.state_dir, "sandbox"), self.agent_id, config.limits,
+            os.path.join(self.state_dir, "sandbox"), self.local_id, config.limits,
             config.cgroup_parent,
         )
         self.sandbox = self.isolation.sandbox

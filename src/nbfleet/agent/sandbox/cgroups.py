@@ -190,14 +190,14 @@ class CgroupTree:
         self.roots = roots
 
     @classmethod
-    def open(cls, agent_id: str, parent: str | None = None) -> CgroupTree:
+    def open(cls, local_id: str, parent: str | None = None) -> CgroupTree:
         """Find a writable hierarchy and make the agent's directory in it.
 
         ``parent`` (a cgroup path such as ``/nbfleet``) is a subtree delegated to this
         agent; by default the agent's own cgroup is the parent.
         """
         own = _own_paths()
-        name = f"nbfleet-{agent_id}"
+        name = f"nbfleet-{local_id}"
         v1 = _v1_mounts()
         if all(any(c in ctrls for ctrls in v1.values()) for c in CONTROLLERS):
             roots = []

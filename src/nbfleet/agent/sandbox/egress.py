@@ -13,6 +13,7 @@ bubblewrap starts; the kernel, without capabilities over it, cannot change it.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 import subprocess
@@ -94,7 +95,9 @@ class Egress:
         self.resolv_conf = resolv_conf
 
     @classmethod
-    def open(cls, state_dir: str, agent_id: str) -> Egress:
+    def open(cls, state_dir: str, local_id: str) -> Egress:
+        """``local_id`` is unique to the agent on this machine: its namespaces' names
+        start with a digest of it, and :meth:`sweep` removes only those."""
         if os.geteuid() != 0:
             raise EgressUnavailable("internet access for kernels needs a root agent")
         missing = [tool for tool in ("slirp4netns", "nft", "ip", "nsenter")
@@ -105,7 +108,8 @@ class Egress:
         with open(resolv, "w") as handle:
             handle.write(f"nameserver {DNS}\n")
         os.chmod(resolv, 0o444)
-        egress = cls(f"nbf{agent_id.removeprefix('host_')[:8]}-", resolv,
+        digest = hashlib.sha256(local_id.encode()).hexdigest()[:8]
+        egress = cls(f"nbf{digest}-", resolv,
                      [*REFUSED, *host_addresses()])
         egress.sweep()
         return egress

@@ -86,10 +86,12 @@ def _works(sandbox: Sandbox, identities: Identities | None) -> str | None:
     return None if probe.returncode == 0 else (probe.stderr.strip() or f"exit {probe.returncode}")
 
 
-def open_isolation(mode: str, hidden: list[str], state_dir: str, agent_id: str,
+def open_isolation(mode: str, hidden: list[str], state_dir: str, local_id: str,
                    limits: Limits | None = None, cgroup_parent: str | None = None) -> Isolation:
     """The strongest isolation this host allows; ``mode`` says whether a missing
-    bubblewrap is an error (``bwrap``), a loud warning (``auto``) or wanted (``none``)."""
+    bubblewrap is an error (``bwrap``), a loud warning (``auto``) or wanted (``none``).
+    ``local_id`` names the machine-wide resources (cgroup, network namespaces): unique
+    to this agent on this machine (``service.local_id``)."""
     if mode not in MODES:
         raise ValueError(f"sandbox must be one of {', '.join(MODES)}, not {mode!r}")
     isolation = Isolation(None, limits or Limits())
@@ -108,9 +110,9 @@ def open_isolation(mode: str, hidden: list[str], state_dir: str, agent_id: str,
         return isolation
     isolation.sandbox = sandbox
     isolation.identities = Identities() if sandbox.privileged else None
-    _open_limits(isolation, state_dir, agent_id, cgroup_parent)
+    _open_limits(isolation, state_dir, local_id, cgroup_parent)
     try:
-        isolation.egress = Egress.open(state_dir, agent_id)
+        isolation.egress = Egress.open(state_dir, local_id)
         isolation.sandbox = replace(sandbox, resolv_conf=isolation.egress.resolv_conf)
         report["egress"] = (True, "projects in egress mode reach the public internet "
                                   "(slirp4netns; private ranges, link-local and the host "
@@ -163,11 +165,11 @@ def _make_sandbox(hidden: list[str], state_dir: str,
     return sandbox, ""
 
 
-def _open_limits(isolation: Isolation, state_dir: str, agent_id: str,
+def _open_limits(isolation: Isolation, state_dir: str, local_id: str,
                  cgroup_parent: str | None) -> None:
     report = isolation.report
     try:
-        isolation.cgroups = CgroupTree.open(agent_id, cgroup_parent)
+        isolation.cgroups = CgroupTree.open(local_id, cgroup_parent)
         limits = isolation.limits.describe().rsplit(", disk", 1)[0]
         report["cgroups"] = (True, f"cgroup v{isolation.cgroups.version}: {limits} "
                                    "per workspace")
