@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import weakref
 from dataclasses import dataclass, field
 
 from nbfleet.control.agent_client import AgentClient
@@ -86,6 +87,9 @@ class Platform:
     _wake: asyncio.Event | None = None
     _loop: asyncio.AbstractEventLoop | None = None
     _changed: asyncio.Event | None = None
+    #: Per workspace: only its own waiters wake at its changes (held by the waiters).
+    _changed_for: weakref.WeakValueDictionary[str, asyncio.Event] = field(
+        default_factory=weakref.WeakValueDictionary, repr=False)
 
     def __post_init__(self) -> None:
         self.db = Database(self.config.db_url)
@@ -100,25 +104,47 @@ class Platform:
         self._wake = asyncio.Event()
         return self._wake
 
-    def changed(self) -> asyncio.Event:
-        """An event set at the next workspace change this process makes.
+    def changed(self, workspace_id: str | None = None) -> asyncio.Event:
+        """An event set at the next workspace change this process makes (to
+        ``workspace_id`` only, when given: in a burst of 32 resumes, each change then
+        wakes its own waiter rather than all 32, which each read the DB again).
 
         Take it *before* reading the state you wait on, so no change slips between.
         Changes made by other replicas are not signalled: waiters also poll.
         """
+        if workspace_id is not None:
+            event = self._changed_for.get(workspace_id)
+            if event is None:
+                event = self._changed_for[workspace_id] = asyncio.Event()
+            return event
         if self._changed is None:
             self._changed = asyncio.Event()
         return self._changed
 
-    def notify_changed(self) -> None:
-        """Wake the waiters of :meth:`changed` (thread-safe)."""
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._fire_changed)
+    def poll_s(self) -> float:
+        """How long a waiter of :meth:`changed` waits before it reads again anyway.
+        A replica that runs the reconciler (holds its lease) makes the changes and
+        signals them: it reads again only as a safety net (a waiter's read costs the
+        DB and the event loop, 32 of them in a burst of resumes). Elsewhere, the
+        changes are another replica's, seen only by reading: often."""
+        return 1.0 if self.fleet.token is not None else 0.25
 
-    def _fire_changed(self) -> None:
+    def notify_changed(self, workspace_id: str | None = None) -> None:
+        """Wake the waiters of :meth:`changed`: all of them, and those of
+        ``workspace_id`` (of every workspace when None) (thread-safe)."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._fire_changed, workspace_id)
+
+    def _fire_changed(self, workspace_id: str | None = None) -> None:
         fired, self._changed = self._changed, None
-        if fired is not None:
-            fired.set()
+        if workspace_id is None:
+            events = [fired, *self._changed_for.values()]
+            self._changed_for.clear()
+        else:
+            events = [fired, self._changed_for.pop(workspace_id, None)]
+        for event in events:
+            if event is not None:
+                event.set()
 
     def wake(self) -> None:
         """Nudge the reconciler now instead of at its next tick (thread-safe)."""

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import random
+import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -45,8 +47,14 @@ log = logging.getLogger(__name__)
 
 LEASE = "workspace-reconciler"
 BATCH = 100
-PARALLEL = 8
+#: Workspaces reconciled at once. Most of a step is waiting on an agent (a resume
+#: restoring state), so this bounds calls in flight, not CPU: a burst of resumes
+#: must not queue behind each other (8 made 32 resumes take four rounds).
+PARALLEL = 64
 MAX_STEPS = 8
+#: The lease and the fleet's periodic work are seen to at most this often (a tick
+#: woken sooner only dispatches); well within the lease's time to live.
+DUTIES_EVERY_S = 0.25
 #: How often a GPU workspace waiting for a host looks again (a placement change
 #: wakes the reconciler sooner).
 GPU_WAIT_RETRY_S = 2.0
@@ -96,22 +104,56 @@ class Reconciler:
         self.db = platform.db
         self.token: int | None = None
         self._slots = asyncio.Semaphore(PARALLEL)
+        #: Held while the fleet's model may be rebuilt from the database (the duties)
+        #: and from a GPU placement's choice until the database records it: a rebuild
+        #: in between would forget a placement that is then carried out.
+        self._fleet_model = asyncio.Lock()
         #: When this replica took the lease (DB clock): see ``_mark_dead_hosts``.
         self._in_charge_since: datetime | None = None
+        #: Workspaces being reconciled, each by a task of its own: a tick starts the
+        #: newly due ones at once instead of waiting for the slowest of the last.
+        self._running: dict[str, asyncio.Task[None]] = {}
+        #: Due again while their task ran: looked at again as soon as it ends.
+        self._again: set[str] = set()
+        self._duties_at = float("-inf")
 
     async def run_forever(self) -> None:
         wake = self.platform.bind_loop()
         interval = self.platform.config.reconcile_interval_s
-        while True:
-            wake.clear()  # before the tick: a request arriving during it is not lost
-            try:
-                await self.tick()
-            except Exception:
-                log.exception("reconciler tick failed")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(wake.wait(), interval)
+        try:
+            while True:
+                wake.clear()  # before the tick: a request arriving during it is not lost
+                try:
+                    await self.tick()
+                except Exception:
+                    log.exception("reconciler tick failed")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(wake.wait(), interval)
+        finally:
+            running = list(self._running.values())
+            for task in running:
+                task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
 
     async def tick(self) -> None:
+        """The lease and the fleet's duties, then a task for each newly due workspace.
+        A burst of requests wakes the loop dozens of times a second: the duties (two
+        writes among them) run at most every DUTIES_EVERY_S, the dispatch each time."""
+        stale = self.token is None or time.monotonic() - self._duties_at >= DUTIES_EVERY_S
+        if stale and not await self._duties():
+            return
+        due = await asyncio.to_thread(self._due)
+        for ws_id in due:
+            if ws_id in self._running:
+                self._again.add(ws_id)  # its task may have read the row before the change
+                continue
+            task = asyncio.create_task(self._reconcile_guarded(ws_id))
+            self._running[ws_id] = task
+            task.add_done_callback(functools.partial(self._ended, ws_id))
+
+    async def _duties(self) -> bool:
+        """Take or renew the lease and do the fleet's periodic work; False when
+        another replica holds the lease."""
         config = self.platform.config
         self.token = await asyncio.to_thread(
             leases.acquire, self.db, LEASE, self.platform.instance_id, config.lease_ttl_s
@@ -119,15 +161,22 @@ class Reconciler:
         fleet = self.platform.fleet
         if self.token is None:
             fleet.stand_down()
-            return
-        if fleet.token != self.token:
-            self._in_charge_since = None
-            await fleet.take_over(self.token)
-        await asyncio.to_thread(self._mark_dead_hosts)
-        await fleet.sync_hosts()
-        await fleet.periodic()
-        due = await asyncio.to_thread(self._due)
-        await asyncio.gather(*(self._reconcile_guarded(ws_id) for ws_id in due))
+            return False
+        self._duties_at = time.monotonic()
+        async with self._fleet_model:
+            if fleet.token != self.token:
+                self._in_charge_since = None
+                await fleet.take_over(self.token)
+            await asyncio.to_thread(self._mark_dead_hosts)
+            await fleet.sync_hosts()
+            await fleet.periodic()
+        return True
+
+    def _ended(self, workspace_id: str, _task: asyncio.Task[None]) -> None:
+        self._running.pop(workspace_id, None)
+        if workspace_id in self._again:
+            self._again.discard(workspace_id)
+            self.platform.wake()
 
     def _check_lease(self, session: Session) -> None:
         if self.token is None or not leases.still_held(session, LEASE, self.token):
@@ -177,9 +226,10 @@ class Reconciler:
         for _ in range(MAX_STEPS):
             work = await asyncio.to_thread(self._begin, workspace_id)
             if isinstance(work, NeedsGpuPlacement):
-                placement = self.platform.fleet.place(work.workspace_id, work.spec, work.tenant,
-                                                      work.weight)
-                work = await asyncio.to_thread(self._begin, workspace_id, placement)
+                async with self._fleet_model:
+                    placement = self.platform.fleet.place(work.workspace_id, work.spec,
+                                                          work.tenant, work.weight)
+                    work = await asyncio.to_thread(self._begin, workspace_id, placement)
             if not isinstance(work, Work):
                 return
             try:
@@ -189,13 +239,13 @@ class Reconciler:
             except Exception as exc:
                 STEPS.labels(work.step.action, "error").inc()
                 await asyncio.to_thread(self._fail, work, exc)
-                self.platform.notify_changed()
+                self.platform.notify_changed(workspace_id)
                 return
             STEPS.labels(work.step.action, "ok").inc()
             more = await asyncio.to_thread(self._finish, work, result)
             if work.gpus and work.step.action is not Action.PLACE and not work.moving:
                 self.platform.fleet.close(work.workspace_id)  # its runtime is gone
-            self.platform.notify_changed()
+            self.platform.notify_changed(workspace_id)
             if not more:
                 return
 

@@ -110,7 +110,7 @@ async def wake(platform: Platform, principal: Principal, workspace_id: str,
     platform.wake()
     deadline = time.monotonic() + timeout
     while True:
-        changed = platform.changed()  # before the read: no change slips between
+        changed = platform.changed(workspace_id)  # before the read: no change slips by
         running, state, error = await asyncio.to_thread(
             _is_running, platform, principal, workspace_id)
         if running:
@@ -120,4 +120,4 @@ async def wake(platform: Platform, principal: Principal, workspace_id: str,
             raise Conflict(f"workspace did not resume in {timeout:.0f} s: it is {state}"
                            + (f" ({error})" if error else ""), current_state=state)
         with contextlib.suppress(TimeoutError):  # other replicas do not signal: poll too
-            await asyncio.wait_for(changed.wait(), min(remaining, 0.25))
+            await asyncio.wait_for(changed.wait(), min(remaining, platform.poll_s()))

@@ -179,13 +179,13 @@ async def _request_state(request: Request, principal: Principal, workspace_id: s
 
     deadline = time.monotonic() + wait
     while True:
-        changed = platform.changed()  # before the read: no change slips between
+        changed = platform.changed(first["id"])  # before the read: no change slips between
         done, body = await asyncio.to_thread(read)
         remaining = deadline - time.monotonic()
         if done or remaining <= 0:
             return JSONResponse(body, status_code=200 if done else 202)
         with contextlib.suppress(TimeoutError):  # other replicas do not signal: poll too
-            await asyncio.wait_for(changed.wait(), min(remaining, 0.25))
+            await asyncio.wait_for(changed.wait(), min(remaining, platform.poll_s()))
 
 
 @router.post("/{workspace_id}/suspend", status_code=202, summary="Suspend a workspace",
