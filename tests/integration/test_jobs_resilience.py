@@ -26,7 +26,7 @@ from sqlalchemy import func, select
 
 from nbfleet.db.credit_tables import CreditHold
 from nbfleet.db.job_tables import GpuAllocation, Job, JobAttempt
-from tests.support.cluster import Cluster, wait_until
+from tests.support.cluster import Cluster, agent_names, wait_until
 from tests.support.credit_api import internal, query
 from tests.support.job_api import (
     AGENT_ARGS,
@@ -88,12 +88,6 @@ def assert_nothing_left_held(cluster: Cluster) -> None:
         CreditHold.state == "active")) == []
     assert query(cluster, select(Job.id).where(Job.hold_id.is_not(None))) == []
     verified(cluster)
-
-
-def agent_names(cluster: Cluster) -> dict[str, str]:
-    """agent (host) id -> the cluster's name for it."""
-    return {(cluster.root / name / "agent-id").read_text().strip(): name
-            for name in cluster.agents}
 
 
 def _alive(pid: int) -> bool:

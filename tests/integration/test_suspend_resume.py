@@ -25,8 +25,10 @@ from tests.support.cluster import (
     Cluster,
     create_running,
     outcome,
+    resume,
     run_cell,
     start_kernel,
+    suspend,
     token_of,
     wait_state,
     wait_until,
@@ -89,21 +91,6 @@ def iopub_on_attach(cluster: Cluster, client: httpx.Client, ws: str, kernel: str
             await sock.close()
 
     return asyncio.run(read())
-
-
-def suspend(client: httpx.Client, ws: str) -> dict[str, Any]:
-    response = client.post(f"/v1/workspaces/{ws}/suspend", params={"wait": 120})
-    assert response.status_code == 200, response.text
-    body: dict[str, Any] = response.json()
-    return body
-
-
-def resume(client: httpx.Client, ws: str) -> dict[str, Any]:
-    response = client.post(f"/v1/workspaces/{ws}/resume", params={"wait": 120})
-    assert response.status_code == 200, response.text
-    body: dict[str, Any] = response.json()
-    assert body["state"] == "running", body
-    return body
 
 
 def typical_workspace(cluster: Cluster, tmp_path: Path) -> tuple[httpx.Client, str, str]:

@@ -73,7 +73,10 @@ class Cluster:
 
     # ------------------------------------------------------------- processes
     def _env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("NBFLEET_")}
+        """This process's environment without its NBFLEET_* and AWS_* variables (a
+        developer's own AWS credentials must not reach a test's processes), with
+        ``extra``: the only AWS_* a test's processes get are those it passes."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("NBFLEET_", "AWS_"))}
         env["NBFLEET_HOME"] = str(self.home)
         if self.run_as is not None:
             env["HOME"] = str(self.root)  # jupyter's own paths, for a user with none
@@ -107,13 +110,14 @@ class Cluster:
         return self.secret_file.read_text().strip()
 
     def start_control(self, env: dict[str, str] | None = None,
-                      args: tuple[str, ...] = ()) -> None:
+                      args: tuple[str, ...] = (), blobs: str | None = None) -> None:
         """The GPU scheduler keeps no warm kernels unless asked (``--prewarm``), as
-        agents start without a warm pool: each warm kernel costs a kernel start."""
+        agents start without a warm pool: each warm kernel costs a kernel start.
+        ``blobs``: the blob store's URL (default: a directory in the home)."""
         if "--prewarm" not in args:
             args = (*args, "--prewarm", "0")
         self.control = self._spawn("control", [
-            "control", "--db", self.db_url, "--blobs", str(self.home / "blobs"),
+            "control", "--db", self.db_url, "--blobs", blobs or str(self.home / "blobs"),
             "--port", str(self.port), "--secret-file", str(self.secret_file),
             "--log-level", "info", *args], self._env(env))
         wait_until(lambda: httpx.get(f"{self.url}/healthz").status_code == 200, 60,
@@ -208,6 +212,12 @@ class Cluster:
                 f"/api/kernels/{kernel_id}/channels")
 
 
+def agent_names(cluster: Cluster) -> dict[str, str]:
+    """agent (host) id -> the cluster's name for it."""
+    return {(cluster.root / name / "agent-id").read_text().strip(): name
+            for name in cluster.agents}
+
+
 def wait_state(client: httpx.Client, workspace_id: str, state: str,
                timeout: float = 60.0) -> dict[str, Any]:
     def settled() -> dict[str, Any] | None:
@@ -224,6 +234,21 @@ def create_running(client: httpx.Client, name: str = "ws") -> str:
     workspace_id: str = response.json()["id"]
     wait_state(client, workspace_id, "running")
     return workspace_id
+
+
+def suspend(client: httpx.Client, ws: str) -> dict[str, Any]:
+    response = client.post(f"/v1/workspaces/{ws}/suspend", params={"wait": 120})
+    assert response.status_code == 200, response.text
+    body: dict[str, Any] = response.json()
+    return body
+
+
+def resume(client: httpx.Client, ws: str) -> dict[str, Any]:
+    response = client.post(f"/v1/workspaces/{ws}/resume", params={"wait": 120})
+    assert response.status_code == 200, response.text
+    body: dict[str, Any] = response.json()
+    assert body["state"] == "running", body
+    return body
 
 
 def token_of(client: httpx.Client) -> str:

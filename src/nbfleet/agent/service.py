@@ -36,7 +36,7 @@ from nbfleet.protocol.agent import (
     Registration,
 )
 from nbfleet.protocol.gpu import ReleasedCells
-from nbfleet.storage.blobs import BlobStore
+from nbfleet.storage.blobs import BlobStore, BlobStoreUnusable
 from nbfleet.storage.files import WorkspaceFiles
 
 log = logging.getLogger(__name__)
@@ -226,7 +226,13 @@ class AgentService:
                 log.info("control plane not reachable yet (%s); retrying", exc)
                 await asyncio.sleep(0.5)
         if self.runtimes is None:
-            files = WorkspaceFiles(BlobStore(registered.blobs_url))
+            blobs = BlobStore(registered.blobs_url)
+            try:  # as at the control plane's start: a clear line, not a failed suspend
+                await asyncio.to_thread(blobs.check)
+            except BlobStoreUnusable as exc:
+                log.critical("cannot use the blob store the control plane named: %s", exc)
+                raise
+            files = WorkspaceFiles(blobs)
             # Whatever a previous boot left here belonged to kernels that are gone.
             shutil.rmtree(self.sockets_dir, ignore_errors=True)
             runtimes_dir = os.path.join(self.state_dir, "runtimes")

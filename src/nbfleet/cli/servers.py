@@ -172,9 +172,16 @@ async def serve_all(servings: list[Serving]) -> None:
             loop.remove_signal_handler(sig)
 
 
+#: Loggers kept at WARNING whatever ``--log-level`` says: at DEBUG botocore logs
+#: request headers (X-Amz-Security-Token, signatures) and bodies.
+QUIET_LOGGERS = ("botocore", "aiobotocore", "s3fs", "urllib3")
+
+
 def configure_logging(level: str) -> None:
     logging.basicConfig(
         level=getattr(logging, level.upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")

@@ -141,11 +141,30 @@ def check_rate_limit_options(rate: str, storage: str) -> None:
         raise typer.Exit(2) from exc
 
 
+def check_blobs(url: str) -> None:
+    """Refuse to start on a blob store that cannot be used: a URL that is neither a
+    directory nor ``s3://bucket[/prefix]``, a directory that cannot be made, no such
+    bucket, credentials refused or missing, an endpoint that does not answer. One
+    line now, not a traceback at the first file write or suspend. S3 credentials
+    come from the environment or ``~/.aws``, as botocore reads them, never from an
+    option."""
+    from nbfleet.storage.blobs import BlobStore, BlobStoreUnusable
+
+    try:
+        BlobStore(url).check()
+    except BlobStoreUnusable as exc:
+        fail(f"--blobs: {exc}")
+    except (ValueError, OSError) as exc:
+        fail(f"--blobs: cannot use {url}: {exc}")
+
+
 def control_server(home: Path, db: str | None, blobs: str | None, secret: str,
              sock: socket.socket, log_level: str, lifecycle: dict[str, Any]
              ) -> tuple[Serving, str, str, Callable[[], Serving]]:
     """The control plane's server (migrated DB, admin token) on ``sock``, its URL,
     the admin token, and a factory for more servers on the same socket (workers)."""
+    blobs = blobs or str(home / "blobs")
+    check_blobs(blobs)  # before the server stack's imports: a bad store fails fast
     from nbfleet.cli.listen import url_of
     from nbfleet.cli.owner_only import secure_sqlite
     from nbfleet.cli.servers import Serving, _Server, uvicorn_config
@@ -154,7 +173,7 @@ def control_server(home: Path, db: str | None, blobs: str | None, secret: str,
     from nbfleet.control.tenancy import ensure_admin, write_secret
 
     url = url_of(sock)
-    config = ControlConfig(db_url=db or sqlite_url(home), blobs_url=blobs or str(home / "blobs"),
+    config = ControlConfig(db_url=db or sqlite_url(home), blobs_url=blobs,
                            secret=secret, control_url=url, home_dir=str(home), **lifecycle)
     secure_sqlite(config.db_url)  # one outside the home, left by an older version
     control_app = create_app(config)

@@ -6,7 +6,9 @@ HMAC-SHA256, under a key derived from the cluster secret, of exactly what the UR
 grants (the job, the attempt, the file, the expiry), so changing any of them, or
 waiting past the expiry, yields a 403. The URL is a capability: whoever holds it
 may download until it expires, as with S3's presigned URLs, which nbfleet hands
-out instead when the blob store is S3.
+out instead when the blob store is S3 (the bytes then never pass through the
+control plane). A URL of nbfleet's own still works with S3: it redirects to a
+presigned one that expires no later than it does.
 """
 
 from __future__ import annotations
@@ -76,7 +78,8 @@ def downloads(job: Job, blobs: BlobStore, key: bytes, base_url: str, now_s: floa
                                "signature": sign(key, job.id, attempt, name, expires)})
             url = f"{base_url}/v1/results/{job.id}/{attempt}/{quote(name)}?{query}"
         else:
-            url = blobs.fs.sign(f"{blobs.root}/{blob_key}", expiration=max(1, expires - int(now_s)))
+            # Never outliving ``expires``: the whole seconds left, rounded down.
+            url = blobs.signed_url(blob_key, int(expires - now_s), filename=name)
         files.append({"name": name, "size": item["size"], "sha256": item["sha256"], "url": url})
     return {"files": files, "url_expires_at": expires,
             "retained_until": job.result_expires_at.isoformat() if job.result_expires_at

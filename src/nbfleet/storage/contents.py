@@ -5,7 +5,9 @@ store stays the only truth, so a save in Lab is a save of the workspace. The
 directory tree is derived from the file keys; an empty directory is a marker blob
 kept outside the files (``dirs/``), so it is never materialized into a runtime.
 Checkpoints (one per file, as jupyter_server keeps by default) live under
-``checkpoints/``. Every function here does blocking I/O: call it in a thread.
+``checkpoints/``. Every key written here holds a user's path, so it is written with
+``check_tree`` (an object store refuses a file under a file, as a disk does).
+Every function here does blocking I/O: call it in a thread.
 """
 
 from __future__ import annotations
@@ -164,7 +166,8 @@ class WorkspaceContents:
         if kind == "directory":
             if path in files:
                 raise Conflict(f"{path} is a file", path=path)
-            self.blobs.put(f"{self._dirs_prefix(workspace_id)}/{path}/{_MARKER}", b"")
+            self.blobs.put(f"{self._dirs_prefix(workspace_id)}/{path}/{_MARKER}", b"",
+                           check_tree=True)
             return self._dir_model(path, datetime.now(UTC)), created, []
         if kind not in ("file", "notebook"):
             raise InvalidInput("the model's type must be 'file', 'notebook' or 'directory'")
@@ -202,7 +205,7 @@ class WorkspaceContents:
         if chunk == -1:
             self._discard(key)
             return whole
-        self.blobs.put(key, whole)
+        self.blobs.put(key, whole, check_tree=True)
         return None
 
     def new_untitled(self, workspace_id: str, raw_dir: str, kind: str,
@@ -275,7 +278,7 @@ class WorkspaceContents:
 
     def _move_marker(self, workspace_id: str, old: str, new: str) -> None:
         prefix = self._dirs_prefix(workspace_id)
-        self.blobs.put(f"{prefix}/{new}/{_MARKER}", b"")
+        self.blobs.put(f"{prefix}/{new}/{_MARKER}", b"", check_tree=True)
         self._discard(f"{prefix}/{old}/{_MARKER}")
 
     def delete(self, workspace_id: str, raw_path: str) -> list[Change]:
@@ -308,7 +311,7 @@ class WorkspaceContents:
     def create_checkpoint(self, workspace_id: str, raw_path: str) -> dict[str, Any]:
         path = self._existing_file(workspace_id, raw_path)
         self.blobs.put(self._checkpoint_key(workspace_id, path),
-                       self.files.get(workspace_id, path))
+                       self.files.get(workspace_id, path), check_tree=True)
         return {"id": CHECKPOINT_ID, "last_modified": _time(datetime.now(UTC))}
 
     def restore_checkpoint(self, workspace_id: str, raw_path: str,

@@ -57,7 +57,7 @@ class WorkspaceFiles:
         if path.endswith(".ipynb"):
             validate_notebook(path, data)
         with _conflicts(path):
-            self.blobs.put(key, data)
+            self.blobs.put(key, data, check_tree=True)  # a user's path
         return confine(path)
 
     def upload(self, workspace_id: str, path: str) -> Upload:

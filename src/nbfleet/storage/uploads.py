@@ -66,9 +66,10 @@ class Upload:
         return os.pread(self.file.fileno(), size, offset)
 
     def commit(self, key: str) -> None:
-        """Make the body the blob at ``key``, atomically."""
+        """Make the body the blob at ``key``, atomically. The key comes from a user's
+        path, so an object store checks it as a filesystem would (``check_tree``)."""
         self.file.flush()
-        self.store.put_file(key, self.path, move=self.store.local)
+        self.store.put_file(key, self.path, move=self.store.local, check_tree=True)
         self._moved = self.store.local
 
     def close(self) -> None:

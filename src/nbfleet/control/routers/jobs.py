@@ -9,7 +9,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request
-from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import (
+    FileResponse,
+    JSONResponse,
+    RedirectResponse,
+    Response,
+    StreamingResponse,
+)
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import Select, select
 from sqlalchemy.orm import Session
@@ -22,7 +28,7 @@ from nbfleet.db.job_tables import Job, JobAttempt, JobEvent
 from nbfleet.db.tables import Agent
 from nbfleet.jobs import admission, attempts, results
 from nbfleet.jobs.views import job_view
-from nbfleet.model.errors import Conflict, DomainError, NotFound
+from nbfleet.model.errors import Conflict, DomainError, Forbidden, NotFound
 from nbfleet.model.jobs import TERMINAL, JobState
 from nbfleet.web.render import iso
 
@@ -242,6 +248,14 @@ def get_result_file(job_id: str, attempt: int, name: str, request: Request,
     if platform.blobs.local:
         return FileResponse(platform.blobs.local_path(key), filename=name,
                             media_type="application/octet-stream")
-    return Response(platform.blobs.get(key), media_type="application/octet-stream",
-                    headers={"Content-Disposition": f'attachment; filename="{name}"'})
+    # S3: the object store serves the bytes, through a presigned URL that expires
+    # with this one, never later (a file may be gigabytes; the control plane never
+    # holds it), and makes it a download of ``name``, as FileResponse above does.
+    if not platform.blobs.exists(key):
+        raise NotFound(f"no such file: {key}")  # as local_path says
+    left = int(expires - time.time())
+    if left < 1:
+        raise Forbidden("this link has expired; ask the API for a new one")
+    return RedirectResponse(platform.blobs.signed_url(key, left, filename=name),
+                            status_code=307)
 
