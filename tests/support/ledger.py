@@ -73,7 +73,6 @@ def entries_of(db: Database, hold_id: str) -> list[tuple[str, str, str, int]]:
 
 
 def assert_verified(db: Database) -> verify.Report:
-    with db.transaction(write=False) as session:
-        report = verify.verify(session)
+    report = verify.verify_db(db)  # one snapshot, however busy the ledger is
     assert report.ok, report.mismatches
     return report
