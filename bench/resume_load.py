@@ -175,10 +175,11 @@ async def burst(size: int, alone: int, root: Path) -> dict[str, float]:
                                      headers={"Authorization": f"Bearer {token}"})
                    for _, _, token, _ in built]
         try:
-            async def cycle(index: int) -> tuple[float, str]:
+            async def cycle(index: int) -> tuple[float, str, float]:
                 workspace, kernel = built[index][0], built[index][1]
                 took, body = await timed(clients[index], f"/v1/workspaces/{workspace}/resume")
-                return took, str(body["restore"]["kernels"][kernel]["path"])
+                report = body["restore"]["kernels"][kernel]
+                return took, str(report["path"]), float(report.get("seconds", 0.0))
 
             async def suspend_all() -> None:
                 await asyncio.gather(*(timed(clients[i], f"/v1/workspaces/{ws}/suspend")
@@ -188,7 +189,7 @@ async def burst(size: int, alone: int, root: Path) -> dict[str, float]:
             lone: list[float] = []
             await suspend_all()
             for index in range(min(alone, size)):  # the others stay suspended
-                took, _ = await cycle(index)
+                took, _, _ = await cycle(index)
                 lone.append(took)
                 await pool_ready(clients[0], home, prepared=False)
             await suspend_all()
@@ -203,8 +204,10 @@ async def burst(size: int, alone: int, root: Path) -> dict[str, float]:
                     raise RuntimeError(f"{workspace} came back with {got!r}, not {expected!r}")
         finally:
             await asyncio.gather(*(client.aclose() for client in clients))
-    took = [t for t, _ in results]
-    warm = [t for t, path in results if path == "warm"]
+    took = [t for t, _, _ in results]
+    warm = [t for t, path, _ in results if path == "warm"]
+    # The agent's share: downloading the snapshot and loading it in the kernel.
+    restoring = [seconds for _, _, seconds in results]
     ms = 1000.0
     return {
         "light_alone_resume_p50_ms": statistics.median(lone) * ms,
@@ -212,6 +215,8 @@ async def burst(size: int, alone: int, root: Path) -> dict[str, float]:
         f"burst{size}_resume_p50_ms": statistics.median(took) * ms,
         f"burst{size}_resume_p95_ms": p95(took) * ms,
         f"burst{size}_resume_max_ms": max(took) * ms,
+        f"burst{size}_restore_p50_ms": statistics.median(restoring) * ms,
+        f"burst{size}_restore_max_ms": max(restoring) * ms,
         f"burst{size}_warm_paths": float(len(warm)),
         f"burst{size}_states_checked": float(size),
         # Without two warm resumes there is no warm p95: never a 0 that "meets" it.
