@@ -133,6 +133,10 @@ class Cluster:
             # Each quota reserves its whole size on the host's disk: tests that do not
             # exercise quotas (tests/security and test_quotas do) turn them off.
             args = (*args, "--workspace-disk", "0")
+        if "--drain-timeout" not in args:
+            # A stopped agent would drain itself (moving or suspending every
+            # workspace) in each test's teardown: only tests of the drain ask.
+            args = (*args, "--drain-timeout", "0")
         self.agents[name] = self._spawn(name, [
             "agent", "--control", self.url, "--state-dir", str(self.root / name),
             "--secret-file", str(self.secret_file), "--gpus", gpus or self.gpus,

@@ -36,6 +36,7 @@ from nbfleet.protocol.agent import (
     Registration,
 )
 from nbfleet.protocol.gpu import ReleasedCells
+from nbfleet.protocol.hosts import HostDrainState
 from nbfleet.storage.blobs import BlobStore, BlobStoreUnusable
 from nbfleet.storage.files import WorkspaceFiles
 
@@ -74,6 +75,9 @@ class AgentConfig:
     #: Seconds between syncs of the files kernels write to the blob store (0: only
     #: at suspend and release); the recovery point objective is about twice this.
     file_sync_interval_s: float = 2.0
+    #: On SIGTERM, seconds to wait for the control plane to move or suspend this
+    #: host's workspaces before shutting down anyway (0: shut down at once).
+    drain_timeout_s: float = 60.0
 
 
 def load_agent_id(state_dir: str) -> str:
@@ -276,6 +280,31 @@ class AgentService:
                     del self.runtimes.deaths[:len(deaths)]
             except (httpx.HTTPError, ValidationError) as exc:
                 log.warning("heartbeat failed: %s", exc)
+
+    async def drain(self) -> None:
+        """Before stopping: ask the control plane to drain this host (its workspaces
+        moved with their state, or suspended) and wait until no runtime is left
+        here, or ``drain_timeout_s`` passes; then shutting down loses nothing."""
+        if self.config.drain_timeout_s <= 0:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.drain_timeout_s
+        left: int | str = "?"
+        log.warning("stopping: draining this host (up to %.0f s)", self.config.drain_timeout_s)
+        while loop.time() < deadline:
+            try:
+                response = await self._http.post(f"/internal/agents/{self.agent_id}/drain")
+                response.raise_for_status()
+                left = HostDrainState.model_validate(response.json()).workspaces
+            except (httpx.HTTPError, ValidationError) as exc:
+                log.warning("drain request failed: %s", exc)
+            here = len(self.runtimes.runtimes) if self.runtimes is not None else 0
+            if left == 0 and here == 0:
+                log.warning("drained: no workspace is left on this host")
+                return
+            await asyncio.sleep(0.5)
+        log.warning("drain bound of %.0f s passed with %s workspaces left; stopping anyway",
+                    self.config.drain_timeout_s, left)
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[None]:

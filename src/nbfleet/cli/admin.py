@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
+from urllib.parse import quote
 
 import typer
 from rich.markup import escape
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from nbfleet.cli.client import JSON_OPT, TOKEN_OPT, URL_OPT, Api, out, print_json, print_table
+from nbfleet.cli.client import (
+    JSON_OPT,
+    TOKEN_OPT,
+    URL_OPT,
+    Api,
+    err,
+    out,
+    print_json,
+    print_table,
+)
 
 app = typer.Typer(help="Operate the fleet (needs an admin token).", no_args_is_help=True)
 
@@ -48,3 +60,80 @@ def fleet(
                     ids=("waiting cell", "workspace"))
     else:
         out.print("no cell is waiting for GPUs")
+
+
+def _host_path(host: str) -> str:
+    return f"/v1/admin/hosts/{quote(host, safe='')}"
+
+
+@app.command("drain")
+def drain(
+    host: str = typer.Argument(..., help="The host's (agent's) id, as `nbfleet admin fleet` "
+                                         "lists it"),
+    wait: bool = typer.Option(True, "--wait/--no-wait",
+                              help="Wait until no workspace is left on the host"),
+    timeout: float = typer.Option(600.0, "--timeout", min=1,
+                                  help="Seconds to wait before giving up (exit 1)"),
+    as_json: bool = JSON_OPT,
+    url: str | None = URL_OPT,
+    token: str | None = TOKEN_OPT,
+) -> None:
+    """Drain a host so it can be stopped and upgraded: it gets no new workspaces,
+    and each one on it is moved with its state (variables, files) to another host,
+    or suspended when there is none. Undo with `nbfleet admin undrain HOST`."""
+    api = Api(url, token)
+    path = _host_path(host)
+    body: dict[str, Any] = api.json("POST", f"{path}/drain", not_found=f"no host {host!r}")
+    if wait:
+        body = _wait_empty(api, path, body, timeout)
+    if as_json:
+        print_json(body)
+        return
+    if body["workspaces"]:
+        out.print(f"host {escape(host)} is draining: {body['workspaces']} workspaces left "
+                  f"(moved {body['moved']}, suspended {body['suspended']} so far)")
+        return
+    out.print(f"host {escape(host)} is drained: moved {body['moved']}, suspended "
+              f"{body['suspended']}; it can be stopped")
+
+
+def _wait_empty(api: Api, path: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """Poll the host with a progress bar of the workspaces still on it, until none."""
+    start = max(int(body["workspaces"]), 1)
+    deadline = time.monotonic() + timeout
+    columns = (TextColumn("[progress.description]{task.description}"), BarColumn(),
+               TextColumn("{task.fields[left]} left"), TimeElapsedColumn())
+    with Progress(*columns, console=err, transient=True) as progress:
+        task = progress.add_task(f"draining {escape(body['id'])}", total=start,
+                                 left=body["workspaces"])
+        while body["workspaces"] > 0:
+            if time.monotonic() > deadline:
+                progress.stop()
+                err.print(f"[red]error:[/red] host {escape(body['id'])} still has "
+                          f"{body['workspaces']} workspaces after {timeout:.0f} s; it is "
+                          "still draining (run the command again to keep waiting)",
+                          soft_wrap=True)
+                raise typer.Exit(1)
+            time.sleep(0.3)
+            body = api.json("GET", path, not_found=f"no host {body['id']!r}")
+            start = max(start, int(body["workspaces"]))
+            progress.update(task, total=start, completed=start - body["workspaces"],
+                            left=body["workspaces"])
+    return body
+
+
+@app.command("undrain")
+def undrain(
+    host: str = typer.Argument(..., help="The host's (agent's) id"),
+    as_json: bool = JSON_OPT,
+    url: str | None = URL_OPT,
+    token: str | None = TOKEN_OPT,
+) -> None:
+    """Stop draining a host: it takes new workspaces again (those moved away stay
+    where they went)."""
+    body: dict[str, Any] = Api(url, token).json(
+        "DELETE", f"{_host_path(host)}/drain", not_found=f"no host {host!r}")
+    if as_json:
+        print_json(body)
+        return
+    out.print(f"host {escape(host)} takes work again ({body['workspaces']} workspaces on it)")

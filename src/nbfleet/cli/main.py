@@ -313,6 +313,11 @@ def agent(
     warm_profiles: int | None = WARM_PROFILES_OPT,
     job_heartbeat: float = JOB_HEARTBEAT_OPT,
     file_sync_interval: float = FILE_SYNC_OPT,
+    drain_timeout: float = typer.Option(
+        60.0, "--drain-timeout", min=0,
+        help="On SIGTERM, seconds to wait while the control plane moves or suspends this "
+             "host's workspaces before stopping (0: stop at once; a second signal stops "
+             "at once)"),
     log_level: str = LOG_OPT,
 ) -> None:
     """Run one agent (host) that registers with a control plane."""
@@ -338,8 +343,9 @@ def agent(
                     hidden_paths=[str(state), *([secret_file] if secret_file else [])],
                     warm_pool=warm_pool, warm_profiles=warm_profiles,
                     job_heartbeat_s=job_heartbeat, limits=limits,
-                    cgroup_parent=cgroup_parent, file_sync_interval_s=file_sync_interval),
-        sock, log_level,
+                    cgroup_parent=cgroup_parent, file_sync_interval_s=file_sync_interval,
+                    drain_timeout_s=drain_timeout),
+        sock, log_level, drain_on_stop=True,
     )
     asyncio.run(serve_all([serving]))
 

@@ -45,11 +45,16 @@ def uvicorn_config(app: FastAPI, log_level: str, **kwargs: object) -> uvicorn.Co
 class Serving:
     server: uvicorn.Server
     sock: socket.socket
+    #: Run at the first SIGTERM/SIGINT before the server stops (an agent's drain);
+    #: a second signal cuts it short.
+    before_stop: Callable[[], Coroutine[Any, Any, None]] | None = None
 
 
-def agent_server(config: AgentConfig, sock: socket.socket, log_level: str) -> Serving:
+def agent_server(config: AgentConfig, sock: socket.socket, log_level: str,
+                 drain_on_stop: bool = False) -> Serving:
     """Build the agent's server on ``sock``; exits with a message if its sandbox
-    cannot run."""
+    cannot run. ``drain_on_stop``: a stand-alone agent drains itself on SIGTERM
+    (in embedded mode the control plane stops with it, so there is nowhere to go)."""
     import typer
     from rich.console import Console
 
@@ -65,7 +70,8 @@ def agent_server(config: AgentConfig, sock: socket.socket, log_level: str) -> Se
     if not config.advertise_url:
         config.advertise_url = url_of(sock)
     app = create_agent_app(service)
-    return Serving(_Server(uvicorn_config(app, log_level)), sock)
+    return Serving(_Server(uvicorn_config(app, log_level)), sock,
+                   service.drain if drain_on_stop else None)
 
 
 def run_fast(main: Coroutine[Any, Any, None]) -> None:
@@ -163,6 +169,8 @@ async def serve_all(servings: list[Serving]) -> None:
                 await asyncio.sleep(0.05)
         stopper = asyncio.create_task(stop.wait())
         await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        if stop.is_set():
+            await _before_stop(servings, stop)
     finally:
         for serving, task in zip(reversed(servings), reversed(tasks), strict=False):
             serving.server.should_exit = True
@@ -170,6 +178,29 @@ async def serve_all(servings: list[Serving]) -> None:
                 await task
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+
+
+async def _before_stop(servings: list[Serving], stop: asyncio.Event) -> None:
+    """Run the servers' ``before_stop`` hooks (while they keep serving), unless a
+    second signal comes first."""
+    hooks = [s.before_stop() for s in servings if s.before_stop is not None]
+    if not hooks:
+        return
+
+    async def run_hooks() -> None:
+        try:
+            await asyncio.gather(*hooks)
+        except Exception:
+            logging.getLogger(__name__).exception("a step before stopping failed")
+
+    stop.clear()
+    again = asyncio.create_task(stop.wait())
+    work = asyncio.create_task(run_hooks())
+    await asyncio.wait([again, work], return_when=asyncio.FIRST_COMPLETED)
+    for task in (again, work):
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 #: Loggers kept at WARNING whatever ``--log-level`` says: at DEBUG botocore logs

@@ -22,7 +22,8 @@ from nbfleet.policy.placement import HostLoad
 
 
 def register(session: Session, now: datetime, body: dict[str, Any]) -> int:
-    """Upsert an agent; returns how many workspaces now have work to do.
+    """Upsert an agent; returns how many workspaces now have work to do. A new
+    boot ends a drain (``control/drain.py``): the host was stopped, and is back.
 
     A new host, or a host back with a new boot, also ends the backoff of workspaces
     waiting for a place to run: they should not sleep through the capacity arriving.
@@ -39,6 +40,8 @@ def register(session: Session, now: datetime, body: dict[str, Any]) -> int:
         return 0
     agent.boot_id = body["boot_id"]
     agent.registered_at = now
+    # A drained host that starts again was stopped and upgraded: it takes work.
+    agent.draining_since = None
     lost = runtimes_lost(session, agent.id, now, "host restarted", keep_boot=body["boot_id"])
     return lost + _end_placement_backoff(session)
 
@@ -92,6 +95,9 @@ def alive_since(now: datetime, timeout_s: float) -> datetime:
 
 def alive_agent(session: Session, host_id: str | None, now: datetime,
                 timeout_s: float) -> Agent | None:
+    """The host if it heartbeats. A draining host still counts: a workspace whose
+    runtime is already there keeps being served until the drain moves it; new
+    placements never choose it, because :func:`host_loads` leaves it out."""
     if host_id is None:
         return None
     agent = session.get(Agent, host_id)
@@ -100,7 +106,15 @@ def alive_agent(session: Session, host_id: str | None, now: datetime,
     return agent
 
 
+def draining_hosts(session: Session) -> set[str]:
+    """Hosts an admin (or the agent, on SIGTERM) is draining; few, so one query."""
+    return set(session.execute(
+        select(Agent.id).where(Agent.draining_since.is_not(None))).scalars())
+
+
 def host_loads(session: Session, now: datetime, timeout_s: float) -> list[HostLoad]:
+    """The hosts a new runtime may be placed on, with their loads: alive and not
+    draining."""
     counts = dict(
         session.execute(
             select(Workspace.host_id, func.count())
@@ -109,7 +123,8 @@ def host_loads(session: Session, now: datetime, timeout_s: float) -> list[HostLo
         ).all()
     )
     agents = session.execute(
-        select(Agent).where(Agent.last_heartbeat_at >= alive_since(now, timeout_s))
+        select(Agent).where(Agent.last_heartbeat_at >= alive_since(now, timeout_s),
+                            Agent.draining_since.is_(None))
     ).scalars()
     return [
         HostLoad(a.id, int(counts.get(a.id, 0)), int(a.inventory.get("millicpus", 1000)))

@@ -280,7 +280,11 @@ class Reconciler:
                 if host is None:
                     return None
             if step.action is Action.PLACE and host is None:
-                chosen = least_loaded(hosts.host_loads(session, now, config.agent_timeout_s))
+                loads = hosts.host_loads(session, now, config.agent_timeout_s)
+                # A move names its target (a drain chose it), if it still takes work.
+                target, ws.move_to = ws.move_to, None
+                chosen = (target if any(load.host_id == target for load in loads)
+                          else least_loaded(loads))
                 if chosen is None:
                     ws.last_error = "no host is available"
                     ws.attempts += 1

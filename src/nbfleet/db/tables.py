@@ -199,6 +199,13 @@ class Agent(Base):
     inventory: Mapped[dict[str, Any]]
     registered_at: Mapped[datetime]
     last_heartbeat_at: Mapped[datetime]
+    #: Set while an admin (or the agent itself, on SIGTERM) drains the host: it gets
+    #: no new placements and its workspaces are moved away or suspended. In the DB
+    #: so that a control-plane restart or another replica keeps draining it.
+    draining_since: Mapped[datetime | None]
+    #: What the current drain did so far (reset when a drain starts).
+    drain_moved: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    drain_suspended: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
 
 class IdempotencyKey(Base):

@@ -21,14 +21,9 @@ import logging
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import select
-
-from nbfleet.control.fleet.moves import start_move
+from nbfleet.control.drain import empty_host
 from nbfleet.control.fleet.provider import HostProvider, HostState
 from nbfleet.control.fleet.scheduler import LiveScheduler
-from nbfleet.control.workspaces import request_state
-from nbfleet.db.tables import Workspace
-from nbfleet.model.workspace import DesiredState, WorkspaceState
 
 if TYPE_CHECKING:
     from nbfleet.control.platform import Platform
@@ -108,22 +103,9 @@ class Scaler:
         log.info("host %s released", host_id)
 
     def _empty_host(self, host_id: str) -> int:
-        """Ask every workspace still on the host to leave; how many are still there."""
-        scheduler = self.platform.fleet.scheduler
-        with self.platform.db.transaction() as session:
-            now = self.platform.db.now(session)
-            rows = list(session.execute(
-                select(Workspace).where(Workspace.host_id == host_id)
-                .with_for_update()).scalars())
-            for ws in rows:
-                if ws.state != WorkspaceState.RUNNING or ws.move_to is not None:
-                    continue
-                target = _new_home(scheduler, ws.id, host_id)
-                if ws.desired_state == DesiredState.RUNNING and target is not None:
-                    start_move(session, ws, target, self.platform.db)
-                else:
-                    request_state(ws, DesiredState.SUSPENDED, now)
-            return len(rows)
+        """Ask every workspace still on the host to leave (the admin drain's path
+        too: ``control/drain.py``); how many are still there."""
+        return empty_host(self.platform, host_id, self.platform.fleet.scheduler)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -135,18 +117,4 @@ class Scaler:
             task.cancel()
         if self.provider is not None:
             await self.provider.aclose()
-
-
-def _new_home(scheduler: LiveScheduler | None, workspace_id: str, leaving: str) -> str | None:
-    """Where the policy now places the workspace's kernel (its evacuation moved the
-    replica), else any other host the model has; None if there is none."""
-    if scheduler is None:
-        return None
-    kernel = scheduler.policy.kernels.get(workspace_id)
-    if kernel is not None:
-        for host_id in kernel.hosts:
-            if host_id != leaving:
-                return host_id
-    others = sorted(h for h in scheduler.policy.hosts if h != leaving)
-    return others[0] if others else None
 

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from nbfleet.control.drain import empty_host
 from nbfleet.control.fleet import facts
 from nbfleet.control.fleet.cellgate import GateRegistry
 from nbfleet.control.fleet.metering import CellMeter
@@ -32,6 +33,7 @@ from nbfleet.control.fleet.scheduler import (
 )
 from nbfleet.control.fleet.sizing import outgrown, sized_policy
 from nbfleet.control.fleet.view import export_gauges
+from nbfleet.control.hosts import draining_hosts
 from nbfleet.model.cluster import ResourceSpec
 from nbfleet.model.errors import DomainError, Unavailable
 from nbfleet.model.resources import HostInventory
@@ -199,10 +201,11 @@ class FleetService:
         alive_hosts = await asyncio.to_thread(facts.alive_hosts, self.platform)
         alive = {host_id for host_id, _, _ in alive_hosts}
         self.scaler.forget_gone(alive)
+        draining = self.scaler.draining | await asyncio.to_thread(self._drained_by_admin)
         returned = []
         for host_id, inventory, url in alive_hosts:
             self._host_urls[host_id] = url
-            if host_id not in scheduler.policy.hosts and host_id not in self.scaler.draining:
+            if host_id not in scheduler.policy.hosts and host_id not in draining:
                 if host_id in self._missing_placed:
                     returned.append(host_id)
                 else:
@@ -219,7 +222,29 @@ class FleetService:
             lost = scheduler.host_lost(host_id)
             if lost:
                 log.warning("host %s lost with %d cells running", host_id, len(lost))
+        for host_id in sorted(draining - self.scaler.draining):
+            await self._drain_pass(scheduler, host_id, host_id in alive)
         await self._fit_to_fleet(scheduler, alive_hosts)
+
+    def _drained_by_admin(self) -> set[str]:
+        with self.platform.db.transaction(write=False) as session:
+            return draining_hosts(session)
+
+    async def _drain_pass(self, scheduler: LiveScheduler, host_id: str, alive: bool) -> None:
+        """A host marked draining (``control/drain.py``) leaves the model as a host
+        the autoscaler releases does (the policy moves its kernels' replicas), and
+        its workspaces are asked to leave; repeated each pass until it is empty.
+        The model forgets GPU cells running there as at a lost host; the cells
+        themselves are then handled by each workspace's suspend (its move), as any
+        suspend handles a busy kernel (``--suspend-on-busy``)."""
+        if host_id in scheduler.policy.hosts:
+            lost = scheduler.host_lost(host_id)
+            log.info("host %s is draining: out of the model (%d cells running there)",
+                     host_id, len(lost))
+        if alive:
+            left = await asyncio.to_thread(empty_host, self.platform, host_id, scheduler)
+            if left:
+                self.platform.wake()
 
     async def _fit_to_fleet(self, scheduler: LiveScheduler,
                             alive: Sequence[facts.HostFact]) -> None:

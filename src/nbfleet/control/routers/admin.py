@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from nbfleet.control import tenancy, workspaces
+from nbfleet.control import drain, tenancy, workspaces
 from nbfleet.control.auth import Principal
 from nbfleet.control.deps import platform_of, require_admin
 from nbfleet.control.routers.workspaces import fleet_shapes
@@ -18,6 +18,7 @@ from nbfleet.db.tables import Agent
 from nbfleet.model.cluster import ResourceSpec
 from nbfleet.model.errors import InvalidInput
 from nbfleet.model.limits import Limits
+from nbfleet.protocol.hosts import HostDrainState
 from nbfleet.web.render import iso
 
 router = APIRouter(prefix="/v1/admin", tags=["admin"])
@@ -120,7 +121,40 @@ def list_agents(request: Request, _: Principal = Depends(require_admin)) -> dict
         return {
             "items": [
                 {"id": a.id, "url": a.url, "boot_id": a.boot_id, "inventory": a.inventory,
-                 "last_heartbeat_at": iso(a.last_heartbeat_at)}
+                 "last_heartbeat_at": iso(a.last_heartbeat_at),
+                 "draining": a.draining_since is not None}
                 for a in agents
             ]
         }
+
+
+@router.get("/hosts/{host_id}", summary="A host: whether it is draining, and what is on it")
+def get_host(host_id: str, request: Request,
+             _: Principal = Depends(require_admin)) -> HostDrainState:
+    with platform_of(request).db.transaction(write=False) as session:
+        return drain.report(session, host_id).state()
+
+
+@router.post("/hosts/{host_id}/drain",
+             summary="Drain a host: no new placements, its workspaces moved or suspended")
+def drain_host(host_id: str, request: Request,
+               _: Principal = Depends(require_admin)) -> HostDrainState:
+    """Marks the host draining (again is fine) and answers at once: the control
+    plane's fleet pass moves each workspace with its state to another host, or
+    suspends it where there is none. Poll ``GET /v1/admin/hosts/{host_id}`` until
+    ``workspaces`` is 0; then the host can be stopped."""
+    platform = platform_of(request)
+    with platform.db.transaction() as session:
+        found = drain.start(session, host_id, platform.db.now(session))
+    platform.wake()
+    return found.state()
+
+
+@router.delete("/hosts/{host_id}/drain", summary="Stop draining a host: it takes work again")
+def undrain_host(host_id: str, request: Request,
+                 _: Principal = Depends(require_admin)) -> HostDrainState:
+    platform = platform_of(request)
+    with platform.db.transaction() as session:
+        found = drain.stop(session, host_id)
+    platform.wake()
+    return found.state()

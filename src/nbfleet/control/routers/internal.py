@@ -6,7 +6,7 @@ import random
 
 from fastapi import APIRouter, Depends, Request
 
-from nbfleet.control import hosts
+from nbfleet.control import drain, hosts
 from nbfleet.control.deps import platform_of
 from nbfleet.jobs import attempts
 from nbfleet.model.errors import InvalidInput, Unauthorized
@@ -20,6 +20,7 @@ from nbfleet.protocol.agent import (
     Registration,
 )
 from nbfleet.protocol.gpu import ReleasedCells
+from nbfleet.protocol.hosts import HostDrainState
 from nbfleet.web.credentials import is_cluster_secret
 from nbfleet.web.problems import bearer_token
 
@@ -52,6 +53,17 @@ def agent_heartbeat(agent_id: str, body: Heartbeat, request: Request) -> None:
         for death in body.kernel_deaths:
             hosts.kernel_died(session, agent_id, death.workspace_id,
                               f"kernel {death.kernel_id}: {death.reason}")
+
+
+@router.post("/agents/{agent_id}/drain")
+def agent_drain(agent_id: str, request: Request) -> HostDrainState:
+    """An agent told to stop (SIGTERM) asks to be drained, and asks again to see
+    how many workspaces are still on it: the admin drain, started by the host."""
+    platform = platform_of(request)
+    with platform.db.transaction() as session:
+        found = drain.start(session, agent_id, platform.db.now(session))
+    platform.wake()
+    return found.state()
 
 
 @router.post("/agents/{agent_id}/released", status_code=204)
