@@ -4,6 +4,8 @@ PY ?= python3
 # such as a shared cluster, start once).
 WORKERS ?= 2
 XDIST := -n $(WORKERS) --dist loadfile
+# The slowest tests of each pass, printed after it: where the suite's time goes.
+DURATIONS := --durations=25
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -28,10 +30,10 @@ up: $(STAMP)
 ## postgresql://postgres@127.0.0.1:5432/postgres): the tests of what the database
 ## decides; those marked no_db or db_agnostic (tests/conftest.py) would only repeat.
 test: check
-	NBFLEET_TEST_PG= $(BIN)/python -m pytest $(XDIST)
+	NBFLEET_TEST_PG= $(BIN)/python -m pytest $(XDIST) $(DURATIONS)
 	@if [ -n "$$NBFLEET_TEST_PG" ]; then \
 		echo "== the database tests again, on PostgreSQL ($$NBFLEET_TEST_PG)"; \
-		$(BIN)/python -m pytest $(XDIST) -m "not no_db and not db_agnostic"; \
+		$(BIN)/python -m pytest $(XDIST) $(DURATIONS) -m "not no_db and not db_agnostic"; \
 	fi
 
 check: $(STAMP)
