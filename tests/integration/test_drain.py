@@ -146,6 +146,16 @@ def test_unknown_hosts_and_ordinary_callers_are_refused_clearly(tmp_path: Path) 
             assert response.status_code == 404, (method, response.text)
             assert response.headers["content-type"] == PROBLEM
         assert not _host(cluster, a)["draining"]
+        # Only the host's current boot may drain it through the agents' route: not an
+        # old process of it still stopping, nor a typo (the cluster secret is shared).
+        for boot in ("boot_stale", ""):
+            stale = httpx.post(f"{cluster.url}/internal/agents/{a}/drain", json={"boot_id": boot},
+                               headers={"Authorization": f"Bearer {cluster.secret}"})
+            assert stale.status_code == 409, stale.text
+        missing = httpx.post(f"{cluster.url}/internal/agents/{a}/drain",
+                             headers={"Authorization": f"Bearer {cluster.secret}"})
+        assert missing.status_code == 422, missing.text
+        assert not _host(cluster, a)["draining"]
 
         for command in ("drain", "undrain"):
             result = nbfleet(cluster.url, cluster.admin_token, "admin", command, "host_nope")

@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from nbfleet.agent.service import local_id
 from tests.conftest import running_cluster
 from tests.support.cluster import Cluster, create_running, run_cell, start_kernel, wait_state
 from tests.support.hostile import disk_bomb
@@ -35,7 +36,9 @@ def _cgroup_limit(cluster: Cluster, workspace_id: str, controller: str, name: st
     """A limit of the cgroup whose kernel works in ``workspace_id``'s files (the
     slot may be a warm one, named after the warm kernel, not the workspace)."""
     agent_id = (cluster.root / "agent1" / "agent-id").read_text().strip()
-    slots = glob.glob(f"/sys/fs/cgroup/{controller}/**/nbfleet-{agent_id}/*/", recursive=True)
+    name_of_agent = local_id(agent_id, str(cluster.root / "agent1"))
+    slots = glob.glob(f"/sys/fs/cgroup/{controller}/**/nbfleet-{name_of_agent}/*/",
+                      recursive=True)
     for slot in slots:
         for pid in Path(slot, "cgroup.procs").read_text().split():
             try:

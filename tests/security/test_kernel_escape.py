@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
+from nbfleet.agent.service import local_id
 from nbfleet.sdk.kernel_socket import KernelSocket
 from tests.conftest import fresh_database
 from tests.support.cluster import Cluster, token_of, wait_state, wait_until
@@ -120,7 +121,9 @@ def _deploy(mode: str, cluster: Cluster) -> Battlefield:
     attacker_pid = next(pid for pid in kernels if pid != victim_pid)
     agents = cluster.admin().get("/v1/admin/agents").json()["items"]
     agent_id = (cluster.root / "agent1" / "agent-id").read_text().strip()
-    sockets = Path(tempfile.gettempdir()) / f"nbfleet-{agent_id}" / victim.workspace_id
+    sockets = (Path(tempfile.gettempdir()) /
+               f"nbfleet-{local_id(agent_id, str(cluster.root / 'agent1'))}" /
+               victim.workspace_id)
     secrets = {
         "admin-token": str(cluster.home / "admin-token"),
         "cluster-secret": str(cluster.home / "cluster-secret"),
@@ -132,6 +135,10 @@ def _deploy(mode: str, cluster: Cluster) -> Battlefield:
     }
     if (cluster.home / "nbfleet.db").exists():
         secrets["metadata DB"] = str(cluster.home / "nbfleet.db")
+    # Each target is really there: a probe of a path that does not exist reads
+    # nothing whatever the sandbox does (the kernel key's path went stale once).
+    missing = [name for name, path in secrets.items() if not os.path.exists(path)]
+    assert not missing, f"attack targets missing on the host: {missing}"
     outside = cluster.root / "outside"
     outside.mkdir()
     (outside / "victim.txt").write_text("keep")

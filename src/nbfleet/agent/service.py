@@ -27,6 +27,7 @@ from nbfleet.model.resources import HostInventory, parse_gpu_spec
 from nbfleet.protocol.agent import (
     AttemptBeat,
     AttemptFinish,
+    DrainRequest,
     Heartbeat,
     JobDirective,
     JobDirectives,
@@ -293,7 +294,9 @@ class AgentService:
         log.warning("stopping: draining this host (up to %.0f s)", self.config.drain_timeout_s)
         while loop.time() < deadline:
             try:
-                response = await self._http.post(f"/internal/agents/{self.agent_id}/drain")
+                response = await self._http.post(
+                    f"/internal/agents/{self.agent_id}/drain",
+                    json=DrainRequest(boot_id=self.boot_id).model_dump())
                 response.raise_for_status()
                 left = HostDrainState.model_validate(response.json()).workspaces
             except (httpx.HTTPError, ValidationError) as exc:

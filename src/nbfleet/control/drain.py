@@ -41,14 +41,14 @@ def empty_host(platform: Platform, host_id: str, scheduler: LiveScheduler | None
     proceeds. A pass with nothing to send away only reads.
     """
     with platform.db.transaction(write=False) as session:
-        total, leaving = _on_host(session, host_id)
+        total, leaving = _on_host(session, host_id, platform.db.now(session))
     if not leaving:
         return total
     with platform.db.transaction() as session:
         now = platform.db.now(session)
         # The agent's row before its workspaces', the order hosts.register takes.
         agent = session.get(Agent, host_id, with_for_update=True)
-        rows = session.execute(_leaving(host_id).with_for_update()).scalars()
+        rows = session.execute(_leaving(host_id, now).with_for_update()).scalars()
         for ws in rows:
             target = new_home(session, scheduler, ws.id, host_id, now,
                               platform.config.agent_timeout_s)
@@ -61,23 +61,32 @@ def empty_host(platform: Platform, host_id: str, scheduler: LiveScheduler | None
                     agent.drain_moved += 1
                 else:
                     agent.drain_suspended += 1
-        return _on_host(session, host_id)[0]
+        return _on_host(session, host_id, now)[0]
 
 
-def _leaving(host_id: str) -> Select[Workspace]:
+#: States in which a workspace may have a runtime on its host. A FAILED placement
+#: keeps its host recorded, but nothing runs there: it must not hold a drain open.
+_WITH_RUNTIME = (WorkspaceState.CREATING, WorkspaceState.RUNNING, WorkspaceState.SUSPENDING,
+                 WorkspaceState.RESUMING, WorkspaceState.DELETING)
+
+
+def _leaving(host_id: str, now: datetime) -> Select[Workspace]:
     """The host's workspaces a drain must still send away: running, and meant to
-    keep running (a move in progress is SUSPENDING or RESUMING, not RUNNING)."""
-    return select(Workspace).where(Workspace.host_id == host_id,
-                                   Workspace.state == WorkspaceState.RUNNING,
-                                   Workspace.desired_state == DesiredState.RUNNING)
+    keep running (a move in progress is SUSPENDING or RESUMING, not RUNNING), and
+    not waiting out the backoff of a move that could not suspend."""
+    return select(Workspace).where(
+        Workspace.host_id == host_id, Workspace.state == WorkspaceState.RUNNING,
+        Workspace.desired_state == DesiredState.RUNNING,
+        Workspace.next_attempt_at.is_(None) | (Workspace.next_attempt_at <= now))
 
 
-def _on_host(session: Session, host_id: str) -> tuple[int, int]:
+def _on_host(session: Session, host_id: str, now: datetime) -> tuple[int, int]:
     """(workspaces whose runtime is on the host, those of them still to send away)."""
     total = session.execute(select(func.count()).select_from(Workspace)
-                            .where(Workspace.host_id == host_id)).scalar_one()
+                            .where(Workspace.host_id == host_id,
+                                   Workspace.state.in_(_WITH_RUNTIME))).scalar_one()
     leaving = session.execute(select(func.count())
-                              .select_from(_leaving(host_id).subquery())).scalar_one()
+                              .select_from(_leaving(host_id, now).subquery())).scalar_one()
     return int(total), int(leaving)
 
 
@@ -141,11 +150,13 @@ def report(session: Session, host_id: str) -> HostDrain:
         raise NotFound(f"no host {host_id!r}")
     workspaces = session.execute(
         select(func.count()).select_from(Workspace)
-        .where(Workspace.host_id == host_id)).scalar_one()
+        .where(Workspace.host_id == host_id,
+               Workspace.state.in_(_WITH_RUNTIME))).scalar_one()
     kernels = session.execute(
         select(func.count()).select_from(Kernel)
         .join(Workspace, Kernel.workspace_id == Workspace.id)
-        .where(Workspace.host_id == host_id)).scalar_one()
+        .where(Workspace.host_id == host_id,
+               Workspace.state.in_(_WITH_RUNTIME))).scalar_one()
     return HostDrain(host_id, agent.draining_since is not None, agent.draining_since,
                      int(workspaces), int(kernels), agent.drain_moved, agent.drain_suspended)
 

@@ -270,6 +270,8 @@ class Reconciler:
             host = hosts.alive_agent(session, ws.host_id, now, config.agent_timeout_s)
             if host is not None and host.boot_id != ws.host_boot_id:
                 host = None  # that boot's runtime is gone
+            if step.action is Action.PLACE and host is not None and host.draining_since:
+                host = None  # a retried placement does not go back to a draining host
             spec = resources_of(ws)
             if step.action is Action.PLACE and host is None and spec.gpus:
                 if gpu is None:
@@ -318,10 +320,12 @@ class Reconciler:
             ws.pending = False
             return None
         timeout = self.platform.config.agent_timeout_s
-        candidates = list(gpu.hosts)
+        draining = hosts.draining_hosts(session)
+        candidates = [h for h in gpu.hosts if h not in draining]
         if ws.move_to is not None and gpu.waiting is None:
             # Moved for a cell whose GPUs the scheduler bound there.
-            candidates = [ws.move_to] + [h for h in candidates if h != ws.move_to]
+            if ws.move_to not in draining:
+                candidates = [ws.move_to] + [h for h in candidates if h != ws.move_to]
             ws.move_to = None
         if gpu.waiting is None and not candidates:
             # Its sessions own no host between cells (batch, lcp): the kernel lives
@@ -378,7 +382,14 @@ class Reconciler:
                 # suspend. It is not retried behind the user's back.
                 ws.desired_state = DesiredState.RUNNING
                 transition(session, ws, WorkspaceState.RUNNING, now, ws.last_error)
-                ws.attempts, ws.next_attempt_at = 0, None
+                moving, ws.move_to = ws.move_to is not None, None
+                if moving:
+                    # A drain asks again after a backoff, not at its next pass (0.25 s):
+                    # a kernel that will not suspend must not be hammered.
+                    ws.attempts += 1
+                    ws.next_attempt_at = now + timedelta(seconds=retry_delay_s(ws.attempts))
+                else:
+                    ws.attempts, ws.next_attempt_at = 0, None
                 return
             ws.attempts += 1
             delay = retry_delay_s(ws.attempts) * random.uniform(0.5, 1.0)

@@ -331,6 +331,14 @@ class KernelDeath(BaseModel):
     reason: str = Field(max_length=1000)
 
 
+class DrainRequest(BaseModel):
+    """``POST /internal/agents/{agent_id}/drain``: a stopping agent asks to be
+    drained. Its boot id says it is the host's current process, not an old one
+    still draining after the host started again."""
+
+    boot_id: str
+
+
 class Heartbeat(BaseModel):
     """``POST /internal/agents/{agent_id}/heartbeat``."""
 

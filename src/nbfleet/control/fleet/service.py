@@ -73,6 +73,8 @@ class FleetService:
         self.gates = GateRegistry()
         self._host_urls: dict[str, str] = {}
         self._missing_placed: set[str] = set()
+        #: Hosts an admin drains, as of the last pass (``control/drain.py``).
+        self._admin_draining: set[str] = set()
         self._last_tick = self._last_reap = self._last_report = float("-inf")
         #: No autoscaler pass before this (scheduler clock): see ``take_over``.
         self._scale_from = float("inf")
@@ -201,22 +203,32 @@ class FleetService:
         alive_hosts = await asyncio.to_thread(facts.alive_hosts, self.platform)
         alive = {host_id for host_id, _, _ in alive_hosts}
         self.scaler.forget_gone(alive)
-        draining = self.scaler.draining | await asyncio.to_thread(self._drained_by_admin)
+        by_admin = await asyncio.to_thread(self._drained_by_admin)
+        # Undrained while it runs: its cells left the model with it (``_drain_pass``),
+        # and would share their GPUs with new cells if it simply joined again.
+        undrained = (self._admin_draining - by_admin) & alive
+        self._admin_draining = by_admin
+        draining = self.scaler.draining | by_admin
         returned = []
         for host_id, inventory, url in alive_hosts:
             self._host_urls[host_id] = url
             if host_id not in scheduler.policy.hosts and host_id not in draining:
-                if host_id in self._missing_placed:
+                if host_id in self._missing_placed or host_id in undrained:
                     returned.append(host_id)
                 else:
                     scheduler.host_joined(host_id, inventory)
         if returned and self.token is not None:
             # A host the model's kernels are placed on, missing from the last rebuild
-            # (its heartbeats had lapsed while no control plane ran): rebuild with it,
-            # so the cells its agent reports running hold their GPUs again.
-            log.info("hosts %s came back with placed kernels: rebuilding", returned)
+            # (its heartbeats had lapsed while no control plane ran, or it was being
+            # drained): rebuild with it, so the cells its agent reports running hold
+            # their GPUs again. The pass goes on with the new model: a host still
+            # draining leaves it again below, before any placement can choose it (the
+            # reconciler runs this under its fleet-model lock).
+            log.info("hosts %s came back with placed kernels or cells: rebuilding", returned)
             await self.take_over(self.token)
-            return
+            if self.scheduler is None:
+                return
+            scheduler = self.scheduler
         self.scaler.settle_provisioning(scheduler)
         for host_id in [h for h in scheduler.policy.hosts if h not in alive]:
             lost = scheduler.host_lost(host_id)

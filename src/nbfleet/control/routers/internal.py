@@ -13,6 +13,7 @@ from nbfleet.model.errors import InvalidInput, Unauthorized
 from nbfleet.protocol.agent import (
     AttemptFinish,
     AttemptFinished,
+    DrainRequest,
     Heartbeat,
     JobDirectives,
     JobHeartbeats,
@@ -56,11 +57,13 @@ def agent_heartbeat(agent_id: str, body: Heartbeat, request: Request) -> None:
 
 
 @router.post("/agents/{agent_id}/drain")
-def agent_drain(agent_id: str, request: Request) -> HostDrainState:
+def agent_drain(agent_id: str, body: DrainRequest, request: Request) -> HostDrainState:
     """An agent told to stop (SIGTERM) asks to be drained, and asks again to see
-    how many workspaces are still on it: the admin drain, started by the host."""
+    how many workspaces are still on it: the admin drain, started by the host. Only
+    the host's current boot may (409 otherwise, as for heartbeats)."""
     platform = platform_of(request)
     with platform.db.transaction() as session:
+        hosts.heartbeat(session, platform.db.now(session), agent_id, body.boot_id)
         found = drain.start(session, agent_id, platform.db.now(session))
     platform.wake()
     return found.state()
