@@ -10,7 +10,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from sqlalchemy import select
 
+from nbfleet.db.tables import Agent
 from nbfleet.sdk.kernel_socket import CellResult, KernelSocket
 from tests.conftest import fresh_database
 from tests.integration.test_gpu_cells import fleet, funded, gpu_workspace, notices
@@ -21,6 +23,7 @@ from tests.support.cluster import (
     wait_state,
     wait_until,
 )
+from tests.support.credit_api import query
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -154,6 +157,11 @@ def test_the_autoscaler_starts_a_host_for_waiting_work_and_stops_it_after(
             wait_until(lambda: agent_pids(cluster.home) == [], 90, 0.5, "the added host stopped")
             wait_until(lambda: fleet(cluster)["totals"]["hosts"] == 1, 30, 0.5,
                        "the fleet back to one host")
+            # The scale-in emptied and released the host: its agent did not drain itself
+            # on the way out too (that marks a host draining, as an admin's drain does,
+            # and a rebuilt model then dropped the kernels' replicas there: an endless
+            # scale-out and scale-in).
+            assert query(cluster, select(Agent.id).where(Agent.draining_since.is_not(None))) == []
             assert host_of(first, ws1) == original
             assert run_cell(cluster, first, ws1, k1, WHERE).stdout.strip() == "0"
         finally:

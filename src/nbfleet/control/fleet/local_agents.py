@@ -39,7 +39,11 @@ log = logging.getLogger(__name__)
 
 #: ``nbfleet agent`` options the provider sets itself; ``agent_args`` may not.
 RESERVED_OPTIONS = frozenset({"--control", "--secret-file", "--home", "--state-dir",
-                              "--gpus", "--host", "--port"})
+                              "--gpus", "--host", "--port", "--drain-timeout"})
+#: The provider releases a host only once the scale-in has emptied it, so its agent
+#: does not drain itself on SIGTERM: that would mark the host draining in the
+#: database, as an admin's drain does, while the scale-in's own path handles it.
+NO_SELF_DRAIN = ("--drain-timeout", "0")
 LOG_NAME = "agent.log"
 PID_NAME = "agent.pid"
 
@@ -188,7 +192,7 @@ class LocalAgentProvider:
         argv = [self.python, "-m", "nbfleet.cli.main", "agent",
                 "--control", self.control_url, "--secret-file", str(self.secret_file),
                 "--home", str(self.home), "--state-dir", str(state_dir), "--gpus", self.gpus,
-                "--host", "127.0.0.1", "--port", str(port), *self.agent_args]
+                "--host", "127.0.0.1", "--port", str(port), *NO_SELF_DRAIN, *self.agent_args]
         env = {k: v for k, v in os.environ.items() if k != "NBFLEET_CLUSTER_SECRET"}
         env["PYTHONUNBUFFERED"] = "1"
         started_at = datetime.now(UTC)
