@@ -3,13 +3,15 @@ API accepts, and the agent's half-written files never synced back."""
 
 from __future__ import annotations
 
+import asyncio
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 
 from nbfleet.agent import filesync
-from nbfleet.agent.livesync import Settling
+from nbfleet.agent.livesync import LiveSync, Settling
 from nbfleet.storage.blobs import BlobStore
 from nbfleet.storage.files import WorkspaceFiles
 
@@ -109,6 +111,71 @@ def test_sync_paths_keeps_what_it_did_when_the_store_fails(tmp_path: Path) -> No
     files.fail = False
     filesync.sync_paths(files, "ws", str(work), manifest, ["a.txt"])
     assert stored(files) == {"a.txt": b"a"} and manifest == filesync.scan(str(work))
+
+
+def restamp(path: Path, data: bytes) -> None:
+    """Write ``data`` again with a new mtime (a kernel rewriting a file, a touch)."""
+    before = path.stat().st_mtime_ns
+    path.write_bytes(data)
+    os.utime(path, ns=(before + 1_000_000_000, before + 1_000_000_000))
+
+
+@pytest.mark.no_db
+def test_sync_paths_does_not_upload_bytes_it_uploaded_already(tmp_path: Path) -> None:
+    work, files = tmp_path / "work", CountingFiles(tmp_path / "blobs")
+    work.mkdir()
+    (work / "a.txt").write_text("same")
+    manifest: filesync.Manifest = {}
+    digests: filesync.Digests = {}
+    filesync.sync_paths(files, "ws", str(work), manifest, ["a.txt"], digests)
+    assert files.puts == ["a.txt"]
+    restamp(work / "a.txt", b"same")  # the same bytes written again
+    filesync.sync_paths(files, "ws", str(work), manifest, ["a.txt"], digests)
+    assert files.puts == ["a.txt"] and manifest == filesync.scan(str(work))
+    restamp(work / "a.txt", b"other")  # new bytes: uploaded
+    filesync.sync_paths(files, "ws", str(work), manifest, ["a.txt"], digests)
+    assert files.puts == ["a.txt", "a.txt"] and stored(files) == {"a.txt": b"other"}
+    # An API write changes the store behind the digest (and the manifest's stamp):
+    # the kernel writing the old bytes back is uploaded, or the store would keep the
+    # API's.
+    files.put("ws", "a.txt", b"from the API")
+    manifest["a.txt"] = filesync.write_local(str(work), "a.txt", b"from the API")
+    files.puts.clear()
+    restamp(work / "a.txt", b"other")
+    filesync.sync_paths(files, "ws", str(work), manifest, ["a.txt"], digests)
+    assert files.puts == ["a.txt"] and stored(files) == {"a.txt": b"other"}
+    # Removed, then written again with the same bytes: uploaded again.
+    (work / "a.txt").unlink()
+    filesync.sync_paths(files, "ws", str(work), manifest, ["a.txt"], digests)
+    assert stored(files) == {} and digests == {}
+    (work / "a.txt").write_bytes(b"other")
+    filesync.sync_paths(files, "ws", str(work), manifest, ["a.txt"], digests)
+    assert files.puts == ["a.txt", "a.txt"] and stored(files) == {"a.txt": b"other"}
+
+
+@pytest.mark.no_db
+async def test_live_sync_does_not_upload_a_file_rewritten_with_the_same_bytes(
+        tmp_path: Path) -> None:
+    work, files = tmp_path / "work", CountingFiles(tmp_path / "blobs")
+    work.mkdir()
+    manifest: filesync.Manifest = {}
+    loop = LiveSync(files, "ws", lambda: str(work), lambda: manifest, lambda: True,
+                    asyncio.Lock(), interval_s=2.0)
+    (work / "out.csv").write_bytes(b"a,b\n1,2\n")
+    assert await loop.round() == []  # seen once: may still be written
+    assert await loop.round() == ["out.csv"]
+    assert files.puts == ["out.csv"]
+    for _ in range(3):  # a cell run again, writing what it wrote before
+        restamp(work / "out.csv", b"a,b\n1,2\n")
+        assert await loop.round() == []
+        assert await loop.round() == ["out.csv"]  # settled, read, and not uploaded
+        assert manifest == filesync.scan(str(work))
+    assert files.puts == ["out.csv"]
+    restamp(work / "out.csv", b"a,b\n1,2\n3,4\n")
+    await loop.round()
+    await loop.round()
+    assert files.puts == ["out.csv", "out.csv"]
+    assert stored(files) == {"out.csv": b"a,b\n1,2\n3,4\n"}
 
 
 @pytest.mark.no_db

@@ -18,8 +18,9 @@ from typer.testing import CliRunner
 from nbfleet.cli import ws as ws_cli
 from nbfleet.cli.client import Api
 from nbfleet.control import workspaces
-from nbfleet.control.reconciler import Work, _restore_summary
 from nbfleet.control.routers.workspaces import resume_answer
+from nbfleet.control.step_results import Work
+from nbfleet.control.step_results import restore_summary as _restore_summary
 from nbfleet.db.tables import Workspace
 from nbfleet.model.workspace import Action, Step, WorkspaceState
 from nbfleet.protocol.agent import RuntimePlaced

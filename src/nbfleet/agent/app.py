@@ -92,7 +92,7 @@ def create_agent_app(service: AgentService) -> FastAPI:
             workspace_id, body.generation, [(k.id, k.name) for k in body.kernels],
             body.snapshot, body.packages,
             Limits.from_dict(body.limits.model_dump()) if body.limits else None,
-            body.network, body.gpus,
+            body.network, body.gpus, body.notices,
         )
         return RuntimePlaced.model_validate({
             "kernels": [k.model() for k in placed.runtime.kernels.values()],

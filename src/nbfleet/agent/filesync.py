@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import logging
 import os
 from collections.abc import Iterable, Iterator
@@ -26,6 +27,11 @@ log = logging.getLogger(__name__)
 
 #: path -> (size, mtime_ns) of what the store and the directory last agreed on.
 Manifest = dict[str, tuple[int, int]]
+#: path -> (its stamp in the manifest, sha256 of the bytes the store holds for it),
+#: for the paths :func:`sync_paths` uploaded. An entry holds only while the manifest
+#: still has that stamp: anything else that changes the path (an API write or
+#: delete, a full :func:`sync_back`) changes or drops its stamp there.
+Digests = dict[str, tuple[tuple[int, int], bytes]]
 
 _SKIP_DIRS = frozenset({"__pycache__", ".ipynb_checkpoints"})
 #: The agent's own half-written files (``beneath.write``), never synced back.
@@ -114,7 +120,7 @@ def sync_back(
 
 
 def sync_paths(files: WorkspaceFiles, workspace_id: str, workdir: str, manifest: Manifest,
-               paths: Iterable[str]) -> None:
+               paths: Iterable[str], digests: Digests | None = None) -> None:
     """Bring the store up to date for ``paths`` only (changed, created or removed
     since ``manifest``, as a scan found), checking each again now: its cost is in
     the paths given, not in the files of the workspace.
@@ -125,16 +131,23 @@ def sync_paths(files: WorkspaceFiles, workspace_id: str, workdir: str, manifest:
     a link) is deleted from the store, as :func:`sync_back` does. Nothing is done
     when ``workdir`` itself is missing: that is a runtime going away, not the kernel
     deleting every file.
+
+    With ``digests`` (kept by the caller from one call to the next), a file whose
+    stamp changed but whose bytes are those this function last uploaded for it (the
+    same content written again, a ``touch``) is not uploaded again.
     """
     if not os.path.isdir(workdir) or os.path.islink(workdir):
         return
     for path in paths:
-        _sync_path(files, workspace_id, workdir, manifest, path)
+        _sync_path(files, workspace_id, workdir, manifest, path,
+                   {} if digests is None else digests)
 
 
 def _sync_path(files: WorkspaceFiles, workspace_id: str, workdir: str, manifest: Manifest,
-               path: str) -> None:
-    stamp, data = _read_regular(workdir, path, manifest.get(path))
+               path: str, digests: Digests) -> None:
+    known = manifest.get(path)
+    stamp, data = _read_regular(workdir, path, known)
+    last = digests.pop(path, None)
     if stamp is None:
         if path in manifest:
             with contextlib.suppress(DomainError):
@@ -142,12 +155,21 @@ def _sync_path(files: WorkspaceFiles, workspace_id: str, workdir: str, manifest:
             manifest.pop(path, None)
         return
     if data is None:  # unchanged, or too large (said already)
+        if stamp == known and last is not None:
+            digests[path] = last
+        manifest[path] = stamp
+        return
+    digest = hashlib.sha256(data).digest()
+    if last == (known, digest):  # what this function uploaded, and nothing since
+        digests[path] = (stamp, digest)
         manifest[path] = stamp
         return
     try:
         files.put(workspace_id, path, data)
     except DomainError as exc:  # e.g. a notebook saved half-written, or a bad name
         log.warning("not syncing %s: %s", path, exc.detail)
+    else:
+        digests[path] = (stamp, digest)
     manifest[path] = stamp  # as sync_back: tried again once it changes again
 
 

@@ -217,6 +217,10 @@ class KernelProcess:
         #: GPU bindings of cells sent and not replied to; their endings are reported
         #: through ``bindings.on_release``.
         self.bindings = KernelBindings()
+        #: Clients' execute requests sent to the kernel and not replied to yet.
+        self.cells_pending: set[str] = set()
+        #: Called after each client cell's execute_reply (``agent/checkpoints``).
+        self.on_cell_done: Callable[[KernelProcess], None] = lambda kernel: None
 
     # ----------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -373,6 +377,7 @@ class KernelProcess:
             if announce:
                 self._broadcast_status("restarting")
             self._requesters.clear()
+            self.cells_pending.clear()
             # Every cell the old process had ends; those held for the new one stay.
             self.bindings.end_all(keep=[message.msg_id for _, message in self._held])
             await self.manager.restart_kernel(now=True)
@@ -487,6 +492,10 @@ class KernelProcess:
 
     def _forward(self, client: Client, message: ClientMessage) -> None:
         assert self.codec is not None
+        if message.channel == "shell" and message.msg_type == "execute_request":
+            if len(self.cells_pending) >= REQUESTER_LIMIT:  # a kernel that never replies
+                self.cells_pending.clear()
+            self.cells_pending.add(message.msg_id)
         if message.channel != "stdin":
             self._requesters[message.msg_id] = client
             if len(self._requesters) > REQUESTER_LIMIT:
@@ -527,8 +536,12 @@ class KernelProcess:
                 waiter.set_result(json.loads(message.content_raw))
             return
         self._touch()
-        if channel == "shell" and message.msg_type == "execute_reply" and self.bindings:
-            self.bindings.end(parent)
+        if channel == "shell" and message.msg_type == "execute_reply":
+            if self.bindings:
+                self.bindings.end(parent)
+            if parent is not None:
+                self.cells_pending.discard(parent)
+            self.on_cell_done(self)
         target = self._requesters.get(parent) if parent else None
         if channel in ("shell", "control") and parent is not None:
             self._requesters.pop(parent, None)

@@ -14,7 +14,11 @@ never overlap (the next sleep starts when a round ends), and a tree whose scan i
 slow is scanned less often, so scanning stays a small share of a core.
 
 Cost per round: one ``stat`` per file of the runtime, plus reads and uploads of
-the changed files only.
+the changed files only. Unchanged data is not sent again: a file whose stamp
+changed but whose bytes are those the loop last uploaded for it (rewritten with
+the same content, touched) is read and hashed, not uploaded. Only bytes this loop
+uploaded are known: a file as materialized from the store is uploaded once the
+first time its stamp changes.
 """
 
 from __future__ import annotations
@@ -81,6 +85,8 @@ class LiveSync:
     lock: asyncio.Lock
     interval_s: float
     settling: Settling = field(init=False)
+    #: What this loop uploaded (see ``filesync.Digests``).
+    digests: filesync.Digests = field(init=False, default_factory=dict)
     #: How long the last scan took.
     scan_s: float = field(init=False, default=0.0)
 
@@ -115,6 +121,9 @@ class LiveSync:
                 return []
             # Checked again against the manifest as it is now, under the lock: an
             # API write since the scan updated it, and is not uploaded again.
+            manifest = self.manifest()
+            for path in self.digests.keys() - manifest.keys():  # deleted by the API
+                del self.digests[path]
             await asyncio.to_thread(filesync.sync_paths, self.files, self.workspace_id,
-                                    self.workdir(), self.manifest(), ready)
+                                    self.workdir(), manifest, ready, self.digests)
         return ready

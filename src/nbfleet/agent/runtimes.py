@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nbfleet.agent import filesync, preimports, statesync
+from nbfleet.agent.checkpoints import Checkpointer
 from nbfleet.agent.kernel_process import KernelProcess
 from nbfleet.agent.livesync import LiveSync
 from nbfleet.agent.sandbox import Isolation, gpu_devices
@@ -85,6 +86,8 @@ class RuntimeManager:
         #: Seconds between syncs of what a live runtime's kernels write (0: only at
         #: suspend and release). See ``livesync``.
         self.file_sync_interval_s = file_sync_interval_s
+        #: Saves each kernel's state after every cell (None: only at suspend).
+        self.checkpoints: Checkpointer | None = None
 
     def new_slot(self, name: str, limits: Limits | None = None, network: str = "none",
                  devices: tuple[str, ...] = ()) -> Slot:
@@ -98,6 +101,10 @@ class RuntimeManager:
 
     def _lock(self, workspace_id: str) -> asyncio.Lock:
         return self._locks.setdefault(workspace_id, asyncio.Lock())
+
+    def workspace_lock(self, workspace_id: str) -> asyncio.Lock:
+        """Held by every command on the workspace, its file syncs and checkpoints."""
+        return self._lock(workspace_id)
 
     def _fence(self, workspace_id: str, generation: int) -> None:
         seen = self._generations.get(workspace_id, 0)
@@ -113,12 +120,14 @@ class RuntimeManager:
                      kernels: Iterable[tuple[str, str]],
                      snapshot: dict[str, str] | None = None,
                      packages: str | None = None, limits: Limits | None = None,
-                     network: str = "none", gpus: int = 0) -> Placed:
+                     network: str = "none", gpus: int = 0,
+                     notices: dict[str, str] | None = None) -> Placed:
         """Make the runtime exist with these kernels running (idempotent).
 
         A new runtime gets the workspace's files, its package layer and each
         kernel's last snapshot; its first kernel comes from the warm pool if one is
-        ready there.
+        ready there. ``notices``: kernel id -> what its notebook is told first (why it
+        restarts here).
         """
         wanted = list(kernels)
         async with self._lock(workspace_id):
@@ -128,7 +137,7 @@ class RuntimeManager:
                 devices = self.gpu_devices if gpus else ()
                 return await self._place(workspace_id, generation, wanted, snapshot or {},
                                          packages, self.isolation.limits.over(limits),
-                                         network, devices)
+                                         network, devices, notices or {})
             runtime.generation = generation
             for kernel_id, name in wanted:
                 if kernel_id not in runtime.kernels:
@@ -137,7 +146,8 @@ class RuntimeManager:
 
     async def _place(self, workspace_id: str, generation: int, kernels: list[tuple[str, str]],
                      snapshot: dict[str, str], packages: str | None, limits: Limits,
-                     network: str, devices: tuple[str, ...]) -> Placed:
+                     network: str, devices: tuple[str, ...],
+                     notices: dict[str, str]) -> Placed:
         """The first kernel comes from the warm pool: one prepared with the modules
         its snapshot needs where there is one. What it lacks is imported while the
         snapshot downloads (``preimports``)."""
@@ -174,6 +184,8 @@ class RuntimeManager:
                         path = "cold"
                 else:
                     kernel, path = await self._start_kernel(runtime, kernel_id, name), "cold"
+                if notices.get(kernel_id):
+                    kernel.announce(notices[kernel_id])
                 wanted = tuple(m for m in needs.get(kernel_id, preimports.NOTHING).modules
                                if m not in loaded and not preimports.shadowed((m,), layer))
                 placed.restore[kernel_id] = await statesync.restore(
@@ -283,6 +295,15 @@ class RuntimeManager:
         self.kernels[kernel.id] = kernel
         kernel.on_death = self._died
         kernel.bindings.on_release = self.on_released
+        if self.checkpoints is not None:
+            self.checkpoints.watch(kernel)
+
+    def runtime_generation(self, kernel: KernelProcess) -> int | None:
+        """The generation of the runtime ``kernel`` runs in, or None once it left it."""
+        runtime = self.runtimes.get(kernel.workspace_id)
+        if runtime is None or runtime.kernels.get(kernel.id) is not kernel:
+            return None
+        return runtime.generation
 
     def _died(self, kernel: KernelProcess, reason: str) -> None:
         self.deaths.append({"workspace_id": kernel.workspace_id, "kernel_id": kernel.id,
@@ -296,6 +317,8 @@ class RuntimeManager:
             if runtime is not None:
                 runtime.kernels.pop(kernel_id, None)
             self.kernels.pop(kernel_id, None)
+            if self.checkpoints is not None:
+                await self.checkpoints.forget(kernel)
             await kernel.shutdown()
 
     def get_kernel(self, kernel_id: str) -> KernelProcess:
@@ -370,6 +393,9 @@ class RuntimeManager:
             with contextlib.suppress(asyncio.CancelledError):
                 await runtime.syncing
             runtime.syncing = None
+        if self.checkpoints is not None:
+            for kernel in runtime.kernels.values():
+                await self.checkpoints.forget(kernel)
         await asyncio.gather(*(kernel.shutdown() for kernel in runtime.kernels.values()))
         for kernel_id in runtime.kernels:
             self.kernels.pop(kernel_id, None)

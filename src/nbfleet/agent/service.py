@@ -19,6 +19,7 @@ from jupyter_client.kernelspec import KernelSpecManager
 from pydantic import ValidationError
 
 from nbfleet.agent.bindings import ReleaseQueue
+from nbfleet.agent.checkpoints import Checkpointer
 from nbfleet.agent.jobs import JobRunner
 from nbfleet.agent.runtimes import RuntimeManager
 from nbfleet.agent.sandbox import open_isolation
@@ -36,6 +37,7 @@ from nbfleet.protocol.agent import (
     Registered,
     Registration,
 )
+from nbfleet.protocol.checkpoints import CellCheckpoint, CheckpointRecorded
 from nbfleet.protocol.gpu import ReleasedCells
 from nbfleet.protocol.hosts import HostDrainState
 from nbfleet.storage.blobs import BlobStore, BlobStoreUnusable
@@ -76,6 +78,9 @@ class AgentConfig:
     #: Seconds between syncs of the files kernels write to the blob store (0: only
     #: at suspend and release); the recovery point objective is about twice this.
     file_sync_interval_s: float = 2.0
+    #: Save each kernel's state to the blob store after every cell (off the reply
+    #: path), so a lost host loses no completed cell's variables.
+    cell_checkpoints: bool = True
     #: On SIGTERM, seconds to wait for the control plane to move or suspend this
     #: host's workspaces before shutting down anyway (0: shut down at once).
     drain_timeout_s: float = 60.0
@@ -140,6 +145,18 @@ class ControlReporter:
             return False  # the control plane has moved on from this attempt
         response.raise_for_status()
         return True
+
+    async def checkpoint(self, workspace_id: str, generation: int, kernel_id: str,
+                         saved: dict[str, Any], cell: int) -> CheckpointRecorded:
+        body = CellCheckpoint(agent_id=self._agent_id, boot_id=self._boot_id,
+                              generation=generation, kernel_id=kernel_id, key=saved["key"],
+                              bytes=saved["bytes"], written=saved["written"], cell=cell)
+        response = await self._http.post(f"/internal/workspaces/{workspace_id}/checkpoints",
+                                         json=body.model_dump(mode="json"))
+        if response.status_code == 404:
+            return CheckpointRecorded(kept=False, reason="the workspace is gone")
+        response.raise_for_status()
+        return CheckpointRecorded.model_validate(response.json())
 
     async def released(self, task_ids: list[str]) -> None:
         """Tell the control plane these cells' GPU bindings ended; raises to be retried."""
@@ -252,6 +269,10 @@ class AgentService:
                 on_released=self.released.put,
                 file_sync_interval_s=self.config.file_sync_interval_s,
             )
+            if self.config.cell_checkpoints:
+                self.runtimes.checkpoints = Checkpointer(
+                    blobs, self.runtimes.workspace_lock, self.runtimes.runtime_generation,
+                    self.reporter.checkpoint)
             self.runtimes.pool.start()
         if self.jobs is None:
             # Opening the runner kills the jobs a previous boot of this host left.

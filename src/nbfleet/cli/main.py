@@ -79,6 +79,10 @@ FILE_SYNC_OPT = typer.Option(
     2.0, "--file-sync-interval", min=0,
     help="Seconds between syncs of the files kernels write to the blob store (0: only at "
          "suspend); about twice this is how much kernel-written work a lost host can lose")
+CHECKPOINTS_OPT = typer.Option(
+    True, "--cell-checkpoints/--no-cell-checkpoints",
+    help="Save each kernel's variables to the blob store after every cell, so a lost host "
+         "loses no completed cell's state (off: only at suspend)")
 JOB_HEARTBEAT_OPT = typer.Option(
     2.0, "--job-heartbeat", min=0.05, max=60,
     help="Seconds between the agent's job reports (progress, GPU usage, log chunks)")
@@ -160,6 +164,8 @@ def up(
     job_retry_backoff: float = JOB_BACKOFF_OPT,
     job_dispatch_interval: float = JOB_DISPATCH_OPT,
     job_heartbeat: float = JOB_HEARTBEAT_OPT,
+    file_sync_interval: float = FILE_SYNC_OPT,
+    cell_checkpoints: bool = CHECKPOINTS_OPT,
     policy: str = POLICY_OPT,
     host_gpus: str = HOST_GPUS_OPT,
     max_hosts: int = MAX_HOSTS_OPT,
@@ -203,7 +209,8 @@ def up(
                     state_dir=str(state / "agent"), gpus=gpus, sandbox=sandbox,
                     hidden_paths=[str(state)], warm_pool=warm_pool,
                     warm_profiles=warm_profiles, job_heartbeat_s=job_heartbeat, limits=limits,
-                    cgroup_parent=cgroup_parent),
+                    cgroup_parent=cgroup_parent, file_sync_interval_s=file_sync_interval,
+                    cell_checkpoints=cell_checkpoints),
         agent_sock, log_level,
     )
     banner(url, token, state)
@@ -313,6 +320,7 @@ def agent(
     warm_profiles: int | None = WARM_PROFILES_OPT,
     job_heartbeat: float = JOB_HEARTBEAT_OPT,
     file_sync_interval: float = FILE_SYNC_OPT,
+    cell_checkpoints: bool = CHECKPOINTS_OPT,
     drain_timeout: float = typer.Option(
         60.0, "--drain-timeout", min=0,
         help="On SIGTERM, seconds to wait while the control plane moves or suspends this "
@@ -344,7 +352,7 @@ def agent(
                     warm_pool=warm_pool, warm_profiles=warm_profiles,
                     job_heartbeat_s=job_heartbeat, limits=limits,
                     cgroup_parent=cgroup_parent, file_sync_interval_s=file_sync_interval,
-                    drain_timeout_s=drain_timeout),
+                    cell_checkpoints=cell_checkpoints, drain_timeout_s=drain_timeout),
         sock, log_level, drain_on_stop=True,
     )
     asyncio.run(serve_all([serving]))

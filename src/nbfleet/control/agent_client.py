@@ -77,7 +77,8 @@ class AgentClient:
                              kernels: list[tuple[str, str]],
                              snapshot: dict[str, Any] | None = None,
                              limits: dict[str, Any] | None = None,
-                             network: str | None = None, gpus: int = 0) -> RuntimePlaced:
+                             network: str | None = None, gpus: int = 0,
+                             notices: dict[str, str] | None = None) -> RuntimePlaced:
         """``snapshot`` as the workspace keeps it (``kernels``: id -> its upload)."""
         snapshot = snapshot or {}
         order = _order(EnsureRuntime, generation=generation,
@@ -85,7 +86,7 @@ class AgentClient:
                        snapshot={kid: k["key"]
                                  for kid, k in (snapshot.get("kernels") or {}).items()},
                        packages=snapshot.get("packages"), limits=limits or None,
-                       network=network or "none", gpus=gpus)
+                       network=network or "none", gpus=gpus, notices=notices or {})
         return _answer(RuntimePlaced, await self._call(
             "PUT", f"{base}/agent/v1/runtimes/{workspace_id}", json=order.model_dump(mode="json")))
 

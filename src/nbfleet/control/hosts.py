@@ -13,6 +13,7 @@ from typing import Any
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
+from nbfleet.control import failover
 from nbfleet.control.workspaces import transition
 from nbfleet.db.engine import rows_affected
 from nbfleet.db.tables import Agent, Workspace
@@ -84,6 +85,7 @@ def runtimes_lost(session: Session, host_id: str, now: datetime, reason: str,
         if keep_boot is not None and ws.host_boot_id == keep_boot:
             continue
         transition(session, ws, WorkspaceState.RESUMING, now, reason)
+        failover.mark_host_lost(ws, now, reason)
         ws.pending = True
         lost += 1
     return lost

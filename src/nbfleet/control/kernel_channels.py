@@ -20,11 +20,12 @@ import websockets
 from fastapi import WebSocket
 
 from nbfleet.agent.wire import V1_PROTOCOL
-from nbfleet.control import channel_tickets
+from nbfleet.control import channel_tickets, failover
 from nbfleet.control.auth import Principal
 from nbfleet.control.deps import principal_of_websocket
 from nbfleet.control.fleet.cellgate import CellGate
 from nbfleet.control.fleet.frames import Frame, open_client_frame
+from nbfleet.control.fleet.inflight import CellsInFlight
 from nbfleet.control.fleet.moves import request_move
 from nbfleet.control.fleet.relay import STOPPED, GpuRelay, Location, Stopped
 from nbfleet.control.kernels import kernel_placement, running_or_resting
@@ -104,8 +105,23 @@ async def serve(websocket: WebSocket, workspace_id: str, kernel_id: str,
         return
     if not accepted:
         await websocket.accept(subprotocol=upstream.subprotocol)
+    cells = CellsInFlight(upstream.subprotocol)
+
+    async def host_gone(host_id: str, send: Callable[[Frame], Awaitable[None]]) -> None:
+        """Tell the client its unanswered cells will not run; keep what was seen."""
+        count, last = len(cells.pending), cells.last_completed
+        for frame in cells.interrupted(host_id):
+            with contextlib.suppress(Exception):
+                await send(frame)
+        if count:
+            await asyncio.to_thread(failover.record_cells, platform.db, workspace_id,
+                                    kernel_id, host_id, last, count)
+
     if where.gpus == 0:
-        await _pump_both_ways(websocket, receive, upstream)
+        if await _pump_both_ways(websocket, receive, upstream, cells):
+            await host_gone(where.host_id, _sender(websocket))
+            with contextlib.suppress(Exception):
+                await websocket.close(code=RECONNECT)
         return
 
     async def locate() -> Location | Stopped | None:
@@ -125,7 +141,7 @@ async def serve(websocket: WebSocket, workspace_id: str, kernel_id: str,
         await platform.changed().wait()
 
     relay = GpuRelay(_sender(websocket), receive, upstream, here, locate, connect,
-                     move, changed)
+                     move, changed, cells, host_gone)
     async def interrupt() -> None:
         with contextlib.suppress(DomainError):
             await platform.agents.interrupt(relay.here.host_url, kernel_id)
@@ -178,21 +194,27 @@ def _principal(platform: Platform, websocket: WebSocket, workspace_id: str,
     return principal_of_websocket(platform, websocket)
 
 
-async def _pump_both_ways(client: WebSocket, receive: Receive, upstream: Any) -> None:
+async def _pump_both_ways(client: WebSocket, receive: Receive, upstream: Any,
+                          cells: CellsInFlight) -> bool:
+    """Until either side leaves; True when the kernel's side left with cells
+    unanswered (the client is still connected, and the caller tells it)."""
     async def client_to_upstream() -> None:
         while (frame := await receive()) is not None:
+            cells.sent(frame)
             await upstream.send(frame)
 
     async def upstream_to_client() -> None:
         async for frame in upstream:
+            cells.received(frame)
             if isinstance(frame, str):
                 await client.send_text(frame)
             else:
                 await client.send_bytes(frame)
 
-    tasks = [asyncio.create_task(client_to_upstream()), asyncio.create_task(upstream_to_client())]
+    reader = asyncio.create_task(client_to_upstream())
+    tasks = [reader, asyncio.create_task(upstream_to_client())]
     try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     finally:
         for task in tasks:
             task.cancel()
@@ -200,8 +222,11 @@ async def _pump_both_ways(client: WebSocket, receive: Receive, upstream: Any) ->
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         await upstream.close()
-        with contextlib.suppress(Exception):
-            await client.close(code=RECONNECT)
+    if reader not in done and cells.pending:
+        return True
+    with contextlib.suppress(Exception):
+        await client.close(code=RECONNECT)
+    return False
 
 
 async def _hold(receive: Receive, protocol: str | None) -> list[Frame] | None:

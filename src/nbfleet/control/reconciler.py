@@ -18,15 +18,15 @@ import random
 import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
 
 from prometheus_client import Counter
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from nbfleet.control import hosts, leases
+from nbfleet.control import failover, hosts, leases
 from nbfleet.control.fleet.service import GpuPlacement
 from nbfleet.control.platform import Platform
+from nbfleet.control.step_results import Work, record
 from nbfleet.control.workspaces import resources_of, transition
 from nbfleet.db.tables import Agent, Kernel, Project, Workspace
 from nbfleet.model.cluster import ResourceSpec
@@ -34,14 +34,12 @@ from nbfleet.model.errors import DomainError, NotFound, SuspendFailed
 from nbfleet.model.workspace import (
     Action,
     DesiredState,
-    Step,
     WorkspaceState,
     plan,
     retry_delay_s,
 )
 from nbfleet.policy.placement import least_loaded
 from nbfleet.protocol.agent import RuntimePlaced, RuntimeSuspended
-from nbfleet.web.render import iso
 
 log = logging.getLogger(__name__)
 
@@ -64,27 +62,6 @@ STEPS = Counter("nbfleet_reconcile_steps_total", "Reconciler steps", ["action", 
 
 class LeaseLost(Exception):
     """Another replica took the lease: stop writing."""
-
-
-@dataclass(frozen=True, slots=True)
-class Work:
-    """What one step will do, captured in its first transaction."""
-
-    workspace_id: str
-    step: Step
-    generation: int
-    expect_state: WorkspaceState
-    host_url: str | None
-    kernels: tuple[tuple[str, str], ...]
-    snapshot: dict[str, Any] | None
-    #: The project's own kernel limits (None: the agent's defaults).
-    limits: dict[str, Any] | None = None
-    #: The project's network mode for its kernels (None: no network).
-    network: str | None = None
-    #: GPUs the workspace asked for (0: the GPU scheduler has no part in it).
-    gpus: int = 0
-    #: A release that moves the kernel to another host (its GPU kernel stays open).
-    moving: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -306,9 +283,11 @@ class Reconciler:
                 project = session.get(Project, ws.project_id)
                 if project is not None:
                     limits, network = project.kernel_limits, project.kernel_network
+            notices = (failover.notices(ws.snapshot, [kid for kid, _ in kernels], host.id)
+                       if step.action is Action.PLACE and host is not None else {})
             return Work(ws.id, step, ws.generation, WorkspaceState(ws.state),
                         host.url if host else None, kernels, ws.snapshot, limits, network,
-                        spec.gpus, ws.move_to is not None)
+                        spec.gpus, ws.move_to is not None, notices)
 
     def _gpu_host(self, session: Session, ws: Workspace, gpu: GpuPlacement,
                   now: datetime) -> Agent | None:
@@ -353,7 +332,7 @@ class Reconciler:
                 return False
             transition(session, ws, work.step.done, now, f"{work.step.action} done")
             if result is not None:
-                _record(ws, work, result, now)
+                record(ws, work, result, now)
             if work.step.action is not Action.PLACE:
                 ws.host_id = ws.host_boot_id = None
                 ws.gpu_placement = None
@@ -405,7 +384,7 @@ class Reconciler:
             assert work.host_url is not None
             return await agents.ensure_runtime(
                 work.host_url, work.workspace_id, work.generation, list(work.kernels),
-                work.snapshot, work.limits, work.network, work.gpus,
+                work.snapshot, work.limits, work.network, work.gpus, work.notices,
             )
         result: RuntimeSuspended | None = None
         if work.host_url is not None:
@@ -422,45 +401,3 @@ class Reconciler:
         if work.step.action is Action.DESTROY:
             await asyncio.to_thread(self.platform.files.delete_all, work.workspace_id)
         return result
-
-
-def _restore_summary(work: Work, result: RuntimePlaced,
-                     now: datetime) -> dict[str, Any] | None:
-    """What this placement (of ``work.generation``) restored, replacing any earlier one:
-    a summary is never shown for a resume it does not belong to.
-
-    An agent that already had the runtime (an earlier attempt placed it, and its answer
-    was lost: the control plane timed out) reports nothing for it; such kernels are
-    listed as ``unreported`` rather than passed off as restored or lost.
-    """
-    # Kept as the agent sent them: only the fields its restore set.
-    reports = {kid: report.model_dump(mode="json", exclude_unset=True)
-               for kid, report in result.restore.items()}
-    saved = sorted((work.snapshot or {}).get("kernels") or {})
-    if not reports and not saved:
-        return None
-    summary: dict[str, Any] = {
-        "generation": work.generation, "at": iso(now), "kernels": reports,
-        "packages": result.packages.model_dump(mode="json", exclude_unset=True)}
-    unreported = [kernel_id for kernel_id in saved if kernel_id not in reports]
-    if unreported:
-        summary["unreported"] = unreported
-    return summary
-
-
-def _record(ws: Workspace, work: Work, result: RuntimePlaced | RuntimeSuspended,
-            now: datetime) -> None:
-    """Keep what an agent reported: the snapshot a suspend saved, what a resume restored."""
-    kernel_ids = {kid for kid, _ in work.kernels}
-    if work.step.action is Action.PLACE and isinstance(result, RuntimePlaced):
-        ws.restore = _restore_summary(work, result, now)
-    saved = result.snapshot if isinstance(result, RuntimeSuspended) else None
-    if work.step.action is Action.RELEASE and saved is not None:
-        previous = (ws.snapshot or {}).get("kernels", {})
-        # A kernel that could not flush keeps its last complete snapshot.
-        uploaded = {kid: k.model_dump(mode="json") for kid, k in saved.kernels.items()}
-        kernels = {kid: key for kid, key in {**previous, **uploaded}.items()
-                   if kid in kernel_ids}
-        ws.snapshot = {"at": iso(now), "kernels": kernels, "packages": saved.packages,
-                       "bytes": sum(int(k.get("bytes", 0)) for k in kernels.values()),
-                       "notes": saved.notes}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from datetime import datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 from sqlalchemy import select
@@ -180,6 +180,32 @@ class SnapshotSummary(BaseModel):
     packages: bool = False
     #: Said to the user (a running cell was interrupted to suspend).
     notes: list[str] = []
+    #: kernel id -> the last cell whose state was saved after it ran (kernels whose
+    #: latest state is a cell's checkpoint, not a suspend's).
+    cells: dict[str, int] = {}
+
+
+class KernelLoss(BaseModel):
+    """What one kernel came back with after its host was lost."""
+
+    #: ``after_cell``: the state a cell's checkpoint saved; ``last_suspend``: the last
+    #: suspend's; ``none``: nothing had been saved.
+    state: Literal["after_cell", "last_suspend", "none"]
+    as_of_cell: int | None = None
+    #: The last cell the gateway saw complete (None when no client watched it).
+    last_completed_cell: int | None = None
+    #: Cells that completed but whose state had not reached the store.
+    cells_not_saved: int | None = None
+    #: Cells running or queued when the host was lost: answered with an error
+    #: (``HostLost``) and never run again.
+    interrupted: int = 0
+
+
+class HostLoss(BaseModel):
+    host: str | None
+    at: str | None
+    reason: str | None
+    kernels: dict[str, KernelLoss] = {}
 
 
 class RestoreSummary(BaseModel):
@@ -192,6 +218,8 @@ class RestoreSummary(BaseModel):
     packages: LayerRestore = Field(default_factory=LayerRestore)
     #: Kernels restored by an earlier attempt whose report was lost.
     unreported: list[str] = []
+    #: Set when this placement followed the loss of the workspace's host.
+    host_lost: HostLoss | None = None
 
 
 class WorkspaceBody(BaseModel):
@@ -242,7 +270,9 @@ def _snapshot_summary(snapshot: dict[str, Any] | None) -> dict[str, Any] | None:
     return {"at": snapshot.get("at"), "bytes": snapshot.get("bytes", 0),
             "kernels": sorted(snapshot.get("kernels", {})),
             "packages": snapshot.get("packages") is not None,
-            "notes": snapshot.get("notes", [])}
+            "notes": snapshot.get("notes", []),
+            "cells": {kid: k["cell"] for kid, k in (snapshot.get("kernels") or {}).items()
+                      if isinstance(k, dict) and isinstance(k.get("cell"), int)}}
 
 
 def is_done(ws: Workspace) -> bool:

@@ -59,6 +59,9 @@ class EnsureRuntime(BaseModel):
     #: GPUs the workspace asks for: its kernels' sandbox binds the host's GPU device
     #: nodes (none without; each cell sees only its binding's through the CUDA env).
     gpus: int = Field(0, ge=0, le=64)
+    #: kernel id -> what its notebook is told before its restore's own report (why
+    #: it restarts here: its host was lost, and what that cost).
+    notices: dict[str, str] = {}
 
 
 class SuspendRuntime(BaseModel):

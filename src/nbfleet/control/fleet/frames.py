@@ -99,6 +99,13 @@ def open_client_frame(frame: Frame, protocol: str | None) -> ClientRequest | Non
 
 def execute_reply_parent(frame: Frame, protocol: str | None) -> str | None:
     """The request id an ``execute_reply`` from the kernel answers, else None."""
+    reply = execute_reply(frame, protocol)
+    return reply[0] if reply is not None else None
+
+
+def execute_reply(frame: Frame, protocol: str | None) -> tuple[str, int | None] | None:
+    """(the request id, its execution count) of an ``execute_reply`` from the kernel,
+    else None."""
     try:
         if protocol == V1_PROTOCOL:
             if not isinstance(frame, bytes) or len(frame) < 8:
@@ -107,11 +114,15 @@ def execute_reply_parent(frame: Frame, protocol: str | None) -> str | None:
             if channel != "shell":
                 return None
             header, parent = _loads(parts[0]), _loads(parts[1])
+            if not isinstance(header, dict) or header.get("msg_type") != "execute_reply":
+                return None
+            content = _loads(parts[3])
         else:
             if not isinstance(frame, str) or not frame.endswith(_SHELL_SUFFIX):
                 return None
             message = json.loads(frame)
             header, parent = message.get("header"), message.get("parent_header")
+            content = message.get("content")
     except (WireError, ValueError, UnicodeDecodeError):
         return None
     if not isinstance(header, dict) or header.get("msg_type") != "execute_reply":
@@ -119,7 +130,10 @@ def execute_reply_parent(frame: Frame, protocol: str | None) -> str | None:
     if not isinstance(parent, dict):
         return None
     msg_id = parent.get("msg_id")
-    return msg_id if isinstance(msg_id, str) else None
+    if not isinstance(msg_id, str):
+        return None
+    count = content.get("execution_count") if isinstance(content, dict) else None
+    return msg_id, count if isinstance(count, int) and not isinstance(count, bool) else None
 
 
 def reply_frame(request: ClientRequest, channel: str, msg_type: str,
@@ -132,7 +146,8 @@ def reply_frame(request: ClientRequest, channel: str, msg_type: str,
         return pack_v1(channel, parts, [])
     return json.dumps({"header": header, "msg_id": header["msg_id"], "msg_type": msg_type,
                        "parent_header": request.header, "metadata": metadata or {},
-                       "content": content, "buffers": [], "channel": channel})
+                       "content": content, "buffers": [], "channel": channel},
+                      separators=(",", ":"))  # as the agent writes them: see _SHELL_SUFFIX
 
 
 def _loads(raw: bytes) -> Any:

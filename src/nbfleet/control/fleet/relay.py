@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from nbfleet.control.fleet.cellgate import CellGate
 from nbfleet.control.fleet.frames import Frame
+from nbfleet.control.fleet.inflight import CellsInFlight
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,10 @@ class GpuRelay:
     connect: Callable[[Location], Awaitable[Upstream]]
     request_move: Callable[[str], Awaitable[bool]]
     changed: Callable[[], Awaitable[None]]
+    #: The cells sent and not answered, and what to do with them when the kernel's
+    #: host goes away (``kernel_channels``: answer them with an error, record them).
+    cells: CellsInFlight | None = None
+    host_gone: Callable[[str, Callable[[Frame], Awaitable[None]]], Awaitable[None]] | None = None
     gate: CellGate | None = None
     _buffer: list[Frame] = field(default_factory=list)
     _moving: asyncio.Event | None = None
@@ -90,6 +95,8 @@ class GpuRelay:
                     await moving.wait()
                     if self.upstream is not current:
                         continue
+                if self.cells is not None and self.cells.pending and self.host_gone:
+                    await self.host_gone(self.here.host_id, self._answer)
                 if not await self._follow():
                     return  # the workspace stopped (suspended, deleted): so do we
         finally:
@@ -103,7 +110,16 @@ class GpuRelay:
         if self._moving is not None and not self._moving.is_set():
             self._buffer.append(frame)
             return
+        if self.cells is not None:
+            self.cells.sent(frame)
         await self.upstream.send(frame)
+
+    async def _answer(self, frame: Frame) -> None:
+        """A reply of our own for a cell the lost host never answered: the gate
+        releases its GPUs and lets the next cell go, as on the kernel's reply."""
+        assert self.gate is not None
+        self.gate.from_kernel(frame)
+        await self.client_send(frame)
 
     def current_host(self) -> str:
         return self.here.host_id
@@ -134,6 +150,8 @@ class GpuRelay:
                 await old.close()
             buffered, self._buffer = self._buffer, []
             for frame in buffered:
+                if self.cells is not None:
+                    self.cells.sent(frame)
                 await self.upstream.send(frame)
         finally:
             self._moving = None
@@ -171,5 +189,7 @@ class GpuRelay:
     async def _upstream_to_client(self, upstream: Upstream) -> None:
         assert self.gate is not None
         async for frame in upstream:
+            if self.cells is not None:
+                self.cells.received(frame)
             self.gate.from_kernel(frame)
             await self.client_send(frame)

@@ -6,7 +6,7 @@ import random
 
 from fastapi import APIRouter, Depends, Request
 
-from nbfleet.control import drain, hosts
+from nbfleet.control import drain, failover, hosts
 from nbfleet.control.deps import platform_of
 from nbfleet.jobs import attempts
 from nbfleet.model.errors import InvalidInput, Unauthorized
@@ -20,6 +20,7 @@ from nbfleet.protocol.agent import (
     Registered,
     Registration,
 )
+from nbfleet.protocol.checkpoints import CellCheckpoint, CheckpointRecorded
 from nbfleet.protocol.gpu import ReleasedCells
 from nbfleet.protocol.hosts import HostDrainState
 from nbfleet.web.credentials import is_cluster_secret
@@ -67,6 +68,14 @@ def agent_drain(agent_id: str, body: DrainRequest, request: Request) -> HostDrai
         found = drain.start(session, agent_id, platform.db.now(session))
     platform.wake()
     return found.state()
+
+
+@router.post("/workspaces/{workspace_id}/checkpoints")
+def cell_checkpoint(workspace_id: str, body: CellCheckpoint,
+                    request: Request) -> CheckpointRecorded:
+    """An agent saved a kernel's state after a cell: kept as the kernel's latest
+    state if the agent still runs the workspace (``failover``)."""
+    return failover.record_checkpoint(platform_of(request).db, workspace_id, body)
 
 
 @router.post("/agents/{agent_id}/released", status_code=204)

@@ -1,0 +1,177 @@
+"""After each cell, the kernel's state reaches the blob store (``--cell-checkpoints``).
+
+A host lost between two suspends otherwise loses every variable. So after each
+client cell's ``execute_reply`` (off the reply path: the user already has the
+answer) the agent has the kernel flush its state and uploads it, then reports the
+key to the control plane, which records it as the kernel's latest state. A
+placement after a lost host restores from it: the last completed cell's state.
+
+What it costs: the capture extension pickles the values a cell changed on its own
+thread while the user reads the output (``kernel/capture.py``), so the flush only
+waits for that thread and writes the manifest; the upload sends only blobs the store
+lacks (content-addressed). The flush runs on the kernel's shell channel and is sent
+only when no client cell waits there, so it never delays a cell already sent; a
+cell sent while it runs waits for it (``bench/replicas.py`` measures that).
+
+Cells quicker than a checkpoint are coalesced: one checkpoint covers them all.
+One task per kernel reports in order, so a report never replaces a later one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from nbfleet.agent import statesync
+from nbfleet.agent.kernel_process import KernelProcess
+from nbfleet.protocol.checkpoints import CheckpointRecorded
+from nbfleet.storage.blobs import BlobStore
+
+log = logging.getLogger(__name__)
+
+#: The execution count the kernel will give its next cell, read after the flush.
+COUNT = "get_ipython().execution_count"
+
+#: (workspace id, generation, kernel id, the upload, its cell) -> the control plane's answer.
+Report = Callable[[str, int, str, dict[str, Any], int], Awaitable[CheckpointRecorded]]
+
+
+@dataclass(eq=False)
+class _Due:
+    kernel: KernelProcess
+    #: A cell ended since the last checkpoint began.
+    dirty: bool = True
+    task: asyncio.Task[None] | None = None
+    #: Checkpoints this agent uploaded that the control plane may still name.
+    ours: set[str] = field(default_factory=set)
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    """One checkpoint, for ``on_done`` (tests and the benchmark read these)."""
+
+    kernel_id: str
+    cell: int
+    key: str
+    kept: bool
+    #: From the cell's execute_reply to the control plane's answer.
+    seconds: float
+
+
+class Checkpointer:
+    """``lock``: the workspace's (suspends and file syncs take it too);
+    ``generation``: the generation of the kernel's runtime, or None once it is gone."""
+
+    def __init__(self, blobs: BlobStore, lock: Callable[[str], asyncio.Lock],
+                 generation: Callable[[KernelProcess], int | None], report: Report) -> None:
+        self.blobs = blobs
+        self.lock = lock
+        self.generation = generation
+        self.report = report
+        self.on_done: Callable[[Done], None] = lambda done: None
+        self._due: dict[KernelProcess, _Due] = {}
+
+    def watch(self, kernel: KernelProcess) -> None:
+        kernel.on_cell_done = self.cell_done
+
+    def cell_done(self, kernel: KernelProcess) -> None:
+        due = self._due.get(kernel)
+        if due is None:
+            due = self._due[kernel] = _Due(kernel)
+        due.dirty = True
+        if due.task is None or due.task.done():
+            due.task = asyncio.create_task(self._run(due, time.perf_counter()),
+                                           name=f"checkpoint-{kernel.id}")
+
+    async def forget(self, kernel: KernelProcess) -> None:
+        """The kernel is going away (the caller holds the workspace's lock)."""
+        kernel.on_cell_done = lambda kernel: None
+        due = self._due.pop(kernel, None)
+        if due is not None and due.task is not None:
+            due.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await due.task
+
+    async def _run(self, due: _Due, since: float) -> None:
+        kernel = due.kernel
+        while due.dirty:
+            if kernel.cells_pending:  # the next cell's reply starts the one covering both
+                return
+            due.dirty = False
+            try:
+                await self._checkpoint(due, since)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the store or the control plane down: next cell's
+                log.warning("checkpoint of kernel %s failed: %r", kernel.id, exc)
+            since = time.perf_counter()
+
+    async def _checkpoint(self, due: _Due, since: float) -> None:
+        kernel = due.kernel
+        workspace_id = kernel.workspace_id
+        async with self.lock(workspace_id):
+            generation = self.generation(kernel)
+            if generation is None or kernel.execution_state == "dead":
+                return
+            if kernel.cells_pending:  # one came while we waited: its reply starts the next
+                due.dirty = True
+                return
+            cell = await _flush(kernel)
+            if cell is None:
+                return
+            saved = await asyncio.to_thread(statesync.upload, self.blobs, workspace_id, kernel)
+        key = str(saved["key"])
+        # Not deleted if this fails: the control plane may have kept it.
+        recorded = await self.report(workspace_id, generation, kernel.id, saved, cell)
+        if recorded.kept:
+            due.ours.add(key)
+            if recorded.replaced in due.ours:
+                due.ours.discard(recorded.replaced)
+                await asyncio.to_thread(self._delete, recorded.replaced)
+        else:
+            log.info("checkpoint of kernel %s not kept: %s", kernel.id, recorded.reason)
+            await asyncio.to_thread(self._delete, key)
+        self.on_done(Done(kernel.id, cell, key, recorded.kept,
+                          round(time.perf_counter() - since, 6)))
+
+    def _delete(self, key: str | None) -> None:
+        """Only the manifest: its blobs are content-addressed and may be shared."""
+        if key is not None:
+            with contextlib.suppress(Exception):
+                self.blobs.delete(key)
+
+
+async def _flush(kernel: KernelProcess) -> int | None:
+    """Flush the kernel's state; the count of the last cell it includes, or None."""
+    if kernel.state_dir is None:
+        return None
+    try:
+        reply = await kernel.execute_internal(statesync.FLUSH, statesync.FLUSH_TIMEOUT_S,
+                                              {"count": COUNT})
+    except TimeoutError:
+        log.warning("kernel %s did not flush its state in time", kernel.id)
+        return None
+    if reply.get("status") != "ok":
+        log.warning("kernel %s could not flush its state: %s", kernel.id,
+                    str(reply.get("evalue", ""))[:200])
+        return None
+    manifest = os.path.join(kernel.state_dir, "manifest.json")
+    if not await asyncio.to_thread(os.path.exists, manifest):
+        return None
+    return _count(reply) - 1
+
+
+def _count(reply: dict[str, Any]) -> int:
+    """The kernel's next execution count (user code could make it anything: bounded)."""
+    try:
+        text = reply["user_expressions"]["count"]["data"]["text/plain"]
+        value = int(str(text))
+    except (KeyError, TypeError, ValueError):
+        return 1
+    return min(max(value, 1), 2**31)

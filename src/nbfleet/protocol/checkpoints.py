@@ -1,0 +1,38 @@
+"""A kernel's state after a cell, reported by the agent that ran it.
+
+The agent uploads the kernel's state to the blob store after each cell, off the
+reply path, then reports its key here. The control plane records it as the
+workspace's latest state for that kernel, so a placement after the host is lost
+restores the last completed cell. The database is the one serialisation point: a
+report is kept only from the host the workspace runs on now, in the boot and
+generation it was placed with (the fencing token), and never replaces a later
+cell's.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+
+class CellCheckpoint(BaseModel):
+    """``POST /internal/workspaces/{workspace_id}/checkpoints``."""
+
+    agent_id: str = Field(max_length=200)
+    boot_id: str = Field(max_length=200)
+    generation: int = Field(ge=1)
+    kernel_id: str = Field(max_length=200)
+    #: The snapshot's manifest in the blob store.
+    key: str = Field(max_length=1024)
+    bytes: int = Field(ge=0)
+    written: int = Field(ge=0)
+    #: The execution count of the last cell the state includes (0: none ran yet).
+    cell: int = Field(ge=0)
+
+
+class CheckpointRecorded(BaseModel):
+    """Whether the control plane kept it; ``replaced``: the key it no longer names
+    (the agent may delete it if it uploaded it), or None."""
+
+    kept: bool
+    reason: str | None = None
+    replaced: str | None = None
