@@ -344,8 +344,11 @@ def test_project_settings_refuse_bad_input_and_unknown_projects(cold_cluster: Cl
 
 # --------------------------------------------------------- kill -9 mid-suspend
 def test_agent_killed_mid_suspend_keeps_the_last_complete_snapshot(tmp_path: Path) -> None:
+    """Without cell checkpoints (which would have saved ``x = 'second'`` already:
+    ``test_failover``), the state is the last suspend's."""
     slow = {"NBFLEET_FAULT_RELEASE_DELAY_S": "4"}
-    with running_cluster(tmp_path, agent_env=slow) as cluster:
+    suspends_only = ("--no-cell-checkpoints",)
+    with running_cluster(tmp_path, agent_env=slow, agent_args=suspends_only) as cluster:
         client = cluster.new_user()
         ws = create_running(client)
         kernel = start_kernel(client, ws)
@@ -360,7 +363,7 @@ def test_agent_killed_mid_suspend_keeps_the_last_complete_snapshot(tmp_path: Pat
 
         body = wait_state(client, ws, "suspended", timeout=60)
         assert len(body["snapshot"]["kernels"]) == 1
-        cluster.start_agent(env=slow)
+        cluster.start_agent(env=slow, args=suspends_only)
         resume(client, ws)
         assert outcome(run_cell(cluster, client, ws, kernel, "print(x)")) == "first\n"
 

@@ -280,9 +280,10 @@ async def test_the_agent_answers_a_placement_as_its_runtime_reported_it(
     assert placed.status_code == 200
     assert placed.json() == {"kernels": [KERNEL], "restore": {"k1": REPORT}, "packages": {}}
     [(workspace_id, generation, kernels, snapshot, packages, limits, network,
-      gpus)] = calls.ensure
+      gpus, notices)] = calls.ensure
     assert (workspace_id, generation, kernels) == ("ws_1", 2, [("k1", "python3")])
-    assert (snapshot, packages, limits, network, gpus) == ({}, None, None, "none", 0)
+    assert (snapshot, packages, limits, network, gpus, notices) == (
+        {}, None, None, "none", 0, {})
     assert RuntimePlaced.model_validate(placed.json()).kernels[0].id == "k1"
 
 

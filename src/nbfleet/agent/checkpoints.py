@@ -28,12 +28,24 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from prometheus_client import Counter, Histogram
+
 from nbfleet.agent import statesync
 from nbfleet.agent.kernel_process import KernelProcess
 from nbfleet.protocol.checkpoints import CheckpointRecorded
 from nbfleet.storage.blobs import BlobStore
 
 log = logging.getLogger(__name__)
+
+CHECKPOINT_SECONDS = Histogram(
+    "nbfleet_cell_checkpoint_seconds",
+    "From a cell's execute_reply to its state being in the blob store and recorded",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
+CHECKPOINT_BYTES = Counter("nbfleet_cell_checkpoint_bytes_written_total",
+                           "Bytes cell checkpoints wrote to the blob store (new blobs only)")
+CHECKPOINTS = Counter("nbfleet_cell_checkpoints_total", "Cell checkpoints, by outcome",
+                      ["outcome"])
 
 #: The execution count the kernel will give its next cell, read after the flush.
 COUNT = "get_ipython().execution_count"
@@ -109,6 +121,7 @@ class Checkpointer:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the store or the control plane down: next cell's
+                CHECKPOINTS.labels("failed").inc()
                 log.warning("checkpoint of kernel %s failed: %r", kernel.id, exc)
             since = time.perf_counter()
 
@@ -137,8 +150,12 @@ class Checkpointer:
         else:
             log.info("checkpoint of kernel %s not kept: %s", kernel.id, recorded.reason)
             await asyncio.to_thread(self._delete, key)
-        self.on_done(Done(kernel.id, cell, key, recorded.kept,
-                          round(time.perf_counter() - since, 6)))
+        seconds = time.perf_counter() - since
+        CHECKPOINTS.labels("kept" if recorded.kept else "refused").inc()
+        CHECKPOINT_BYTES.inc(int(saved.get("written", 0)))
+        if recorded.kept:
+            CHECKPOINT_SECONDS.observe(seconds)
+        self.on_done(Done(kernel.id, cell, key, recorded.kept, round(seconds, 6)))
 
     def _delete(self, key: str | None) -> None:
         """Only the manifest: its blobs are content-addressed and may be shared."""

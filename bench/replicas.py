@@ -1,0 +1,487 @@
+"""Cell checkpoints, nbfleet's replica of a kernel: their latency, their cost, and moves.
+
+nbfleet keeps no hot standby kernel: a kernel's replica is its latest cell
+checkpoint in the blob store (``agent/checkpoints.py``). So what NotebookOS calls
+state-sync latency is measured here as the **checkpoint latency**: from the cell's
+execute_reply, as the client receives it, to the kernel's state being durable in the
+blob store and recorded in the control plane's DB (the workspace row's
+``snapshot.kernels[kernel].cell`` reaching that cell's execution count; the ON
+platform's SQLite file is polled read-only every ``--poll-ms``).
+
+Two platforms run side by side: ON (``nbfleet up``, checkpoints on, the default) and
+OFF (``--no-cell-checkpoints``), both ``--idle-suspend 0 --warm-pool 0``.
+
+1. Checkpoint latency of a small cell (``x_i = i``), ``--samples`` cells one at a
+   time, each after the previous one's checkpoint: p50, p99, max.
+2. The same for a cell that makes 100 MB of new state (``big = os.urandom(100 << 20)``),
+   ``--big-samples`` cells (with few samples p99 is about the max); and the heavy
+   cell's own latency on ON against OFF, interleaved.
+3. The added cell latency (execute_request sent -> execute_reply received) of a small
+   cell on ON against OFF, in alternating blocks of ``--block`` cells, in two modes:
+   back-to-back (the next cell goes as soon as the reply arrives: a checkpoint's flush
+   can be ahead of it on the kernel's shell channel) and with ``--think-ms`` between
+   cells. Blocks, not single cells, alternate so that back-to-back really is
+   back-to-back on one kernel; after an ON block its last checkpoint is awaited, so
+   that it does not run during the OFF block.
+4. Move time on ON: a second agent joins, the embedded agent's host is drained
+   (``POST /v1/admin/hosts/{host}/drain``) and the time from that call to the
+   workspace ``running`` on the other host is taken, with a small state (``v = 41``);
+   then back the other way with 100 MB of state (the first host undrained, the second
+   drained). The state is checked after each move.
+
+One JSON line per figure on stdout (``{"bench": "replicas", "figure", "value"}``); a
+verdict on stderr against NotebookOS's sync (54.8 ms p50, 268 ms p99) and the 2 ms
+added-latency target.
+
+    .venv/bin/python bench/replicas.py
+    .venv/bin/python bench/replicas.py --samples 200 --big-samples 10 --think-ms 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from harness import (
+    admin_headers,
+    channels_url,
+    emit,
+    nbfleet_up,
+    percentile,
+    stderr,
+    wait_for,
+    workspace_kernel,
+)
+from nbfleet.sdk.kernel_socket import KernelSocket
+
+BENCH = "replicas"
+NOTEBOOKOS_P50_MS, NOTEBOOKOS_P99_MS = 54.8, 268.0
+ADDED_TARGET_MS = 2.0
+#: A checkpoint, or a move, not done after this long is a failure.
+GIVE_UP_S = 120.0
+BIG = "big = os.urandom(100 << 20)"
+MS = 1000.0
+
+
+@dataclass
+class Side:
+    """One platform's workspace and kernel."""
+
+    name: str
+    url: str
+    home: Path
+    sock: KernelSocket
+    kernel: str
+    workspace: str
+    token: str
+
+    @property
+    def db(self) -> Path:
+        return self.home / "nbfleet.db"
+
+
+# ------------------------------------------------------------------ cells
+async def cell(sock: KernelSocket, code: str) -> tuple[float, float, int]:
+    """Run ``code``: (sent, reply received) on the perf_counter clock, and the
+    reply's execution count. Does not wait for the kernel to go idle."""
+    request = sock.message("execute_request", {
+        "code": code, "silent": False, "store_history": True, "user_expressions": {},
+        "allow_stdin": False, "stop_on_error": True}, "shell")
+    msg_id = request["header"]["msg_id"]
+    sent = time.perf_counter()
+    await sock.send(request)
+    deadline = sent + GIVE_UP_S
+    while True:
+        msg = await sock.receive(max(0.01, deadline - time.perf_counter()))
+        if msg["channel"] == "shell" and msg["parent_header"].get("msg_id") == msg_id:
+            received = time.perf_counter()
+            content = msg["content"]
+            if content.get("status") != "ok":
+                raise RuntimeError(f"cell failed: {code[:60]!r}: {content}")
+            return sent, received, int(content["execution_count"])
+
+
+async def printed(sock: KernelSocket, code: str) -> str:
+    result = await sock.execute(code, timeout=GIVE_UP_S)
+    if result.status != "ok":
+        raise RuntimeError(f"cell failed: {code[:60]!r}: {result.reply}")
+    return result.stdout.strip()
+
+
+# ------------------------------------------------------------------ the DB's record
+def _entry(conn: sqlite3.Connection, side: Side) -> dict[str, Any] | None:
+    row = conn.execute("SELECT snapshot FROM workspaces WHERE id = ?",
+                       (side.workspace,)).fetchone()
+    if row is None or not row[0]:
+        return None
+    snapshot = json.loads(row[0])
+    entry = ((snapshot or {}).get("kernels") or {}).get(side.kernel)
+    return entry if isinstance(entry, dict) else None
+
+
+def recorded_entry(side: Side) -> dict[str, Any] | None:
+    """The kernel's checkpoint record as the control plane's DB holds it now."""
+    with contextlib.closing(sqlite3.connect(f"file:{side.db}?mode=ro", uri=True,
+                                            timeout=5)) as conn:
+        return _entry(conn, side)
+
+
+class Poller:
+    """Polls the DB until a cell's checkpoint is recorded; keeps the poll gaps."""
+
+    def __init__(self, poll_s: float) -> None:
+        self.poll_s = poll_s
+        self.gaps: list[float] = []
+
+    def wait(self, side: Side, count: int, before: dict[str, Any] | None) -> float:
+        """The perf_counter time the DB first showed a record newer than ``before``
+        that includes cell ``count``."""
+        with contextlib.closing(sqlite3.connect(f"file:{side.db}?mode=ro", uri=True,
+                                                timeout=5)) as conn:
+            deadline = time.perf_counter() + GIVE_UP_S
+            last: float | None = None
+            while True:
+                entry = _entry(conn, side)
+                now = time.perf_counter()
+                if last is not None:
+                    self.gaps.append(now - last)
+                last = now
+                if entry is not None and entry != before and int(entry.get("cell", -1)) >= count:
+                    return now
+                if now > deadline:
+                    raise TimeoutError(f"cell {count} of {side.name} not checkpointed after "
+                                       f"{GIVE_UP_S:.0f} s (last record {entry})")
+                time.sleep(self.poll_s)
+
+
+async def checkpointed(side: Side, code: str, poller: Poller) -> tuple[float, float]:
+    """Run ``code`` on ``side``; (its cell latency, its checkpoint latency) in seconds."""
+    before = await asyncio.to_thread(recorded_entry, side)
+    sent, received, count = await cell(side.sock, code)
+    durable = await asyncio.to_thread(poller.wait, side, count, before)
+    return received - sent, durable - received
+
+
+# ------------------------------------------------------------------ the agent's metrics
+async def agent_metrics(side: Side) -> dict[str, float]:
+    """The checkpoint metrics of the ON platform's embedded agent (empty if unreadable)."""
+    secret = (side.home / "cluster-secret").read_text().strip()
+    try:
+        async with httpx.AsyncClient(base_url=side.url, timeout=10.0) as http:
+            agents = (await http.get("/v1/admin/agents",
+                                     headers=admin_headers(side.home))).json()["items"]
+            text = (await http.get(f"{agents[0]['url']}/agent/v1/metrics",
+                                   headers={"Authorization": f"Bearer {secret}"})).text
+    except (httpx.HTTPError, KeyError, IndexError, ValueError):
+        return {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        for name in ("nbfleet_cell_checkpoint_seconds_sum",
+                     "nbfleet_cell_checkpoint_seconds_count",
+                     'nbfleet_cell_checkpoints_total{outcome="kept"}'):
+            if line.startswith(name + " "):
+                out[name.split("{")[0]] = float(line.split()[-1])
+    return out
+
+
+# ------------------------------------------------------------------ 1, 2: latency
+async def small_latency(on: Side, samples: int, poller: Poller) -> dict[str, float]:
+    for index in range(3):  # warm-up: the first checkpoint saves the whole namespace
+        await checkpointed(on, f"warm_{index} = {index}", poller)
+    poller.gaps.clear()
+    metrics_before = await agent_metrics(on)
+    lags = [(await checkpointed(on, f"x_{i} = {i}", poller))[1] for i in range(samples)]
+    metrics_after = await agent_metrics(on)
+    out = {
+        "checkpoint_small_samples": float(samples),
+        "checkpoint_small_p50_ms": statistics.median(lags) * MS,
+        "checkpoint_small_p99_ms": percentile(lags, 99) * MS,
+        "checkpoint_small_max_ms": max(lags) * MS,
+        "checkpoint_poll_ms": poller.poll_s * MS,
+        "checkpoint_poll_period_mean_ms": statistics.mean(poller.gaps) * MS,
+    }
+    count_name, sum_name = ("nbfleet_cell_checkpoint_seconds_count",
+                            "nbfleet_cell_checkpoint_seconds_sum")
+    if count_name in metrics_before and count_name in metrics_after:
+        done = metrics_after[count_name] - metrics_before[count_name]
+        if done > 0:
+            # The agent's own clock: from its sight of the reply to the control plane's answer.
+            out["checkpoint_small_agent_mean_ms"] = (
+                (metrics_after[sum_name] - metrics_before[sum_name]) / done * MS)
+            out["checkpoint_small_agent_count"] = done
+    return out
+
+
+async def big_latency(on: Side, off: Side, samples: int, poller: Poller) -> dict[str, float]:
+    await checkpointed(on, "import os", poller)
+    await cell(off.sock, "import os")
+    lags, on_cells, off_cells = [], [], []
+    for index in range(samples):
+        took, lag = await checkpointed(on, BIG, poller)
+        lags.append(lag)
+        on_cells.append(took)
+        sent, received, _ = await cell(off.sock, BIG)
+        off_cells.append(received - sent)
+        stderr.print(f"100 MB cell {index + 1}/{samples}: checkpoint {lag * MS:.0f} ms, "
+                     f"cell ON {took * MS:.0f} ms, OFF {off_cells[-1] * MS:.0f} ms")
+    on_median, off_median = statistics.median(on_cells) * MS, statistics.median(off_cells) * MS
+    return {
+        "checkpoint_100mb_samples": float(samples),
+        "checkpoint_100mb_p50_ms": statistics.median(lags) * MS,
+        "checkpoint_100mb_p99_ms": percentile(lags, 99) * MS,
+        "checkpoint_100mb_max_ms": max(lags) * MS,
+        "cell_100mb_on_median_ms": on_median,
+        "cell_100mb_off_median_ms": off_median,
+        "cell_100mb_added_median_ms": on_median - off_median,
+    }
+
+
+# ------------------------------------------------------------------ 3: added latency
+async def added_latency(on: Side, off: Side, samples: int, block: int, think_s: float,
+                        mode: str, poller: Poller) -> dict[str, float]:
+    times: dict[str, list[float]] = {"on": [], "off": []}
+    kept_before = (await agent_metrics(on)).get("nbfleet_cell_checkpoints_total")
+    counter = 0
+    for round_ in range((samples + block - 1) // block):
+        for side in (on, off) if round_ % 2 == 0 else (off, on):
+            before = await asyncio.to_thread(recorded_entry, side) if side is on else None
+            count = 0
+            for _ in range(min(block, samples - len(times[side.name]))):
+                if think_s:
+                    await asyncio.sleep(think_s)
+                counter += 1
+                sent, received, count = await cell(side.sock, f"n = {counter}")
+                times[side.name].append(received - sent)
+            if side is on:  # its last checkpoint must not run during the OFF block
+                await asyncio.to_thread(poller.wait, on, count, before)
+    kept_after = (await agent_metrics(on)).get("nbfleet_cell_checkpoints_total")
+    on_median = statistics.median(times["on"]) * MS
+    off_median = statistics.median(times["off"]) * MS
+    out = {
+        f"added_{mode}_on_median_ms": on_median,
+        f"added_{mode}_off_median_ms": off_median,
+        f"added_{mode}_median_ms": on_median - off_median,
+        f"added_{mode}_on_p99_ms": percentile(times["on"], 99) * MS,
+        f"added_{mode}_off_p99_ms": percentile(times["off"], 99) * MS,
+        f"added_{mode}_within_target": float(on_median - off_median <= ADDED_TARGET_MS),
+    }
+    if kept_before is not None and kept_after is not None:
+        # Back-to-back cells are coalesced: fewer checkpoints than cells.
+        out[f"added_{mode}_checkpoints_per_cell"] = (kept_after - kept_before) / len(times["on"])
+    return out
+
+
+# ------------------------------------------------------------------ 4: moves
+@contextlib.contextmanager
+def extra_agent(url: str, home: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """A second agent (host) joining the platform at ``url``; stopped on the way out."""
+    state = home / "agent2"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NBFLEET_")}
+    env["NBFLEET_HOME"] = str(home)
+    log = home / "agent2.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "nbfleet.cli.main", "agent", "--control", url,
+             "--home", str(home), "--state-dir", str(state), "--gpus", "1xA100-80GB",
+             "--warm-pool", "0", "--drain-timeout", "0"],
+            stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        yield proc
+    except BaseException:
+        stderr.print(f"agent2 log ({log}):\n{log.read_text(errors='replace')[-3000:]}",
+                     markup=False)
+        raise
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+
+
+def agent_ids(url: str, home: Path) -> list[str]:
+    try:
+        got = httpx.get(f"{url}/v1/admin/agents", headers=admin_headers(home), timeout=5.0)
+    except httpx.HTTPError:
+        return []
+    return [a["id"] for a in got.json()["items"]] if got.status_code == 200 else []
+
+
+async def move(http: httpx.AsyncClient, side: Side, leaving: str) -> tuple[float, str, list[str]]:
+    """Drain ``leaving`` (the workspace's host); (seconds from the call to the workspace
+    running elsewhere, its new host, the states seen on the way)."""
+    admin = admin_headers(side.home)
+    start = time.perf_counter()
+    drained = await http.post(f"/v1/admin/hosts/{leaving}/drain", headers=admin)
+    if drained.status_code != 200:
+        raise RuntimeError(f"drain of {leaving}: {drained.status_code} {drained.text}")
+    seen: list[str] = []
+    deadline = start + GIVE_UP_S
+    while True:
+        body = (await http.get(f"/v1/workspaces/{side.workspace}")).json()
+        now = time.perf_counter()
+        state = f"{body['state']}@{body.get('host_id')}"
+        if body.get("last_error"):
+            state += f" ({str(body['last_error'])[:200]})"
+        if not seen or seen[-1] != state:
+            seen.append(state)
+        if body["state"] == "running" and body.get("host_id") not in (None, leaving):
+            return now - start, str(body["host_id"]), seen
+        # A move keeps the desired state running (a failed placement is retried);
+        # a drain with nowhere to go suspends the workspace.
+        if body["desired_state"] == "suspended" or now > deadline:
+            host = (await http.get(f"/v1/admin/hosts/{leaving}", headers=admin)).text
+            raise RuntimeError(f"the drain of {leaving} did not move the workspace: states "
+                               f"{seen}; host {host}")
+        await asyncio.sleep(0.01)
+
+
+async def moves(on: Side, poller: Poller) -> dict[str, float]:
+    out: dict[str, float] = {}
+    async with httpx.AsyncClient(base_url=on.url, timeout=60.0,
+                                 headers={"Authorization": f"Bearer {on.token}"}) as http:
+        first = (await http.get(f"/v1/workspaces/{on.workspace}")).json()["host_id"]
+        with extra_agent(on.url, on.home) as proc:
+            await asyncio.to_thread(wait_for, lambda: len(agent_ids(on.url, on.home)) >= 2,
+                                    proc, "the second agent")
+            second = next(a for a in agent_ids(on.url, on.home) if a != first)
+            # Small state: the 100 MB of the earlier cells let go first.
+            await checkpointed(on, "del big\nv = 41", poller)
+            await on.sock.close()
+            took, landed, seen = await move(http, on, first)
+            stderr.print(f"move 1 (small state): {took * MS:.0f} ms, {first} -> {landed}, "
+                         f"states {seen}")
+            on.sock = await KernelSocket.connect(channels_url(on.url, on.workspace, on.kernel),
+                                                 on.token)
+            got = await printed(on.sock, "print(v)")
+            out["move_small_ms"] = took * MS
+            out["move_small_state_ok"] = float(got == "41" and landed == second)
+            # 100 MB of state, back the other way.
+            admin = admin_headers(on.home)
+            undrained = await http.delete(f"/v1/admin/hosts/{first}/drain", headers=admin)
+            if undrained.status_code != 200:
+                raise RuntimeError(f"undrain of {first}: {undrained.status_code} "
+                                   f"{undrained.text}")
+            await checkpointed(on, f"{BIG}\nimport hashlib\n"
+                               "digest = hashlib.sha256(big).hexdigest()", poller)
+            digest = await printed(on.sock, "print(digest)")
+            await on.sock.close()
+            took, landed, seen = await move(http, on, second)
+            stderr.print(f"move 2 (100 MB state): {took * MS:.0f} ms, {second} -> {landed}, "
+                         f"states {seen}")
+            on.sock = await KernelSocket.connect(channels_url(on.url, on.workspace, on.kernel),
+                                                 on.token)
+            got = await printed(on.sock, "print(hashlib.sha256(big).hexdigest())")
+            out["move_100mb_ms"] = took * MS
+            out["move_100mb_state_ok"] = float(got == digest and landed == first)
+            for host, name in ((first, "first"), (second, "second")):
+                report = (await http.get(f"/v1/admin/hosts/{host}", headers=admin)).json()
+                out[f"move_{name}_host_moved"] = float(report.get("moved", -1))
+            await on.sock.close()
+    return out
+
+
+# ------------------------------------------------------------------ the whole run
+async def run(args: argparse.Namespace, root: Path) -> dict[str, float]:
+    poller = Poller(args.poll_ms / MS)
+    common = ("--idle-suspend", "0", "--warm-pool", "0")
+    (root / "on").mkdir()
+    (root / "off").mkdir()
+    with nbfleet_up(root / "on", *common) as on_url, \
+            nbfleet_up(root / "off", *common, "--no-cell-checkpoints") as off_url:
+        (on_sock, on_kernel, on_ws, on_token), (off_sock, off_kernel, off_ws, off_token) = \
+            await asyncio.gather(workspace_kernel(on_url, root / "on"),
+                                 workspace_kernel(off_url, root / "off"))
+        on = Side("on", on_url, root / "on", on_sock, on_kernel, on_ws, on_token)
+        off = Side("off", off_url, root / "off", off_sock, off_kernel, off_ws, off_token)
+        results: dict[str, float] = {}
+        stderr.print("checkpoint latency, small cells")
+        results.update(await small_latency(on, args.samples, poller))
+        stderr.print("checkpoint latency, 100 MB cells")
+        results.update(await big_latency(on, off, args.big_samples, poller))
+        for mode, think in (("b2b", 0.0), ("think", args.think_ms / MS)):
+            stderr.print(f"added cell latency, {mode}")
+            results.update(await added_latency(on, off, args.samples, args.block, think, mode,
+                                               poller))
+        await off.sock.close()
+        if not args.no_moves:
+            stderr.print("moves")
+            results.update(await moves(on, poller))
+        else:
+            await on.sock.close()
+    return results
+
+
+def verdict(results: dict[str, float], args: argparse.Namespace) -> str:
+    p50, p99 = results["checkpoint_small_p50_ms"], results["checkpoint_small_p99_ms"]
+    parts = [
+        f"small-cell checkpoint latency (execute_reply -> durable in the blob store and "
+        f"recorded) p50 {p50:.1f} ms vs NotebookOS sync 54.8: "
+        f"{'below' if p50 < NOTEBOOKOS_P50_MS else 'NOT below'}, p99 {p99:.1f} ms vs 268: "
+        f"{'below' if p99 < NOTEBOOKOS_P99_MS else 'NOT below'}",
+        f"100 MB: p50 {results['checkpoint_100mb_p50_ms']:.0f} ms, "
+        f"max {results['checkpoint_100mb_max_ms']:.0f} ms",
+    ]
+    for mode, label in (("b2b", "back-to-back"), ("think", f"{args.think_ms:g} ms think")):
+        added = results[f"added_{mode}_median_ms"]
+        parts.append(f"added cell latency {label} {added:+.2f} ms at the median "
+                     f"(target <= {ADDED_TARGET_MS:g}: "
+                     f"{'met' if added <= ADDED_TARGET_MS else 'NOT met'})")
+    if "move_small_ms" in results:
+        parts.append(f"move {results['move_small_ms']:.0f} ms small, "
+                     f"{results['move_100mb_ms']:.0f} ms with 100 MB (state "
+                     f"{'kept' if results['move_small_state_ok'] and results['move_100mb_state_ok'] else 'NOT kept'})")  # noqa: E501
+    return f"{BENCH}: " + " | ".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--samples", type=int, default=50,
+                        help="small cells timed per figure and side (default: %(default)s)")
+    parser.add_argument("--big-samples", type=int, default=6,
+                        help="100 MB cells timed (default: %(default)s)")
+    parser.add_argument("--block", type=int, default=5,
+                        help="cells per alternating ON/OFF block for the added latency "
+                             "(default: %(default)s)")
+    parser.add_argument("--think-ms", type=float, default=200.0,
+                        help="pause between cells in the think-time mode (default: %(default)s)")
+    parser.add_argument("--poll-ms", type=float, default=1.0,
+                        help="how often the control plane's DB is polled (default: %(default)s)")
+    parser.add_argument("--no-moves", action="store_true", help="skip the move times")
+    args = parser.parse_args(argv)
+    if args.samples < 2 or args.big_samples < 2 or args.block < 1:
+        parser.error("need --samples >= 2, --big-samples >= 2 and --block >= 1")
+    if args.think_ms < 0 or args.poll_ms <= 0:
+        parser.error("need --think-ms >= 0 and --poll-ms > 0")
+    with tempfile.TemporaryDirectory(prefix="nbfleet-bench-") as tmp:
+        try:
+            results = asyncio.run(run(args, Path(tmp)))
+        except KeyboardInterrupt:
+            stderr.print("interrupted; cleaned up")
+            return 130
+    for name, value in results.items():
+        emit(BENCH, name, value)
+    print(verdict(results, args), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
