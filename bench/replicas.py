@@ -12,22 +12,31 @@ Two platforms run side by side: ON (``nbfleet up``, checkpoints on, the default)
 OFF (``--no-cell-checkpoints``), both ``--idle-suspend 0 --warm-pool 0``.
 
 1. Checkpoint latency of a small cell (``x_i = i``), ``--samples`` cells one at a
-   time, each after the previous one's checkpoint: p50, p99, max.
-2. The same for a cell that makes 100 MB of new state (``big = os.urandom(100 << 20)``),
-   ``--big-samples`` cells (with few samples p99 is about the max); and the heavy
-   cell's own latency on ON against OFF, interleaved.
-3. The added cell latency (execute_request sent -> execute_reply received) of a small
+   time, each after the previous one's checkpoint: p50, p99, max
+   (``checkpoint_small_*``).
+2. The added cell latency (execute_request sent -> execute_reply received) of a small
    cell on ON against OFF, in alternating blocks of ``--block`` cells, in two modes:
-   back-to-back (the next cell goes as soon as the reply arrives: a checkpoint's flush
-   can be ahead of it on the kernel's shell channel) and with ``--think-ms`` between
-   cells. Blocks, not single cells, alternate so that back-to-back really is
-   back-to-back on one kernel; after an ON block its last checkpoint is awaited, so
-   that it does not run during the OFF block.
-4. Move time on ON: a second agent joins, the embedded agent's host is drained
+   back-to-back (``added_b2b_*``: the next cell goes as soon as the reply arrives, so
+   a checkpoint's flush can be ahead of it on the kernel's shell channel) and with
+   ``--think-ms`` between cells (``added_think_*``). Blocks, not single cells,
+   alternate so that back-to-back really is back-to-back on one kernel; after an ON
+   block its last checkpoint is awaited, so that it does not run during the OFF block.
+3. Checkpoint latency of a cell that makes 100 MB of new state
+   (``big = os.urandom(100 << 20)``), ``--big-samples`` cells (with few samples p99 is
+   about the max), and that heavy cell's own latency on ON against OFF, interleaved
+   (``checkpoint_100mb_*``, ``cell_100mb_*``).
+4. 1 and 2 again with the 100 MB value held in both kernels (figures suffixed
+   ``_ns100mb``): a checkpoint checks every value the namespace holds, not only
+   what the cell changed.
+5. Move time on ON: a second agent joins, the embedded agent's host is drained
    (``POST /v1/admin/hosts/{host}/drain``) and the time from that call to the
-   workspace ``running`` on the other host is taken, with a small state (``v = 41``);
-   then back the other way with 100 MB of state (the first host undrained, the second
-   drained). The state is checked after each move.
+   workspace ``running`` on the other host is taken, ``--moves`` times back and forth
+   (the target undrained before each) with a small state (``v = 41``), then as many
+   times with 100 MB of state: p50 and max, and split into the drain's reaction
+   (the call to the workspace leaving ``running``: the control plane's fleet duties
+   act on drains) and the move itself (from there to ``running`` on the other host),
+   each to the 10 ms poll of ``GET /v1/workspaces/{ws}``. The state is checked
+   after each move.
 
 One JSON line per figure on stdout (``{"bench": "replicas", "figure", "value"}``); a
 verdict on stderr against NotebookOS's sync (54.8 ms p50, 268 ms p99) and the 2 ms
@@ -77,6 +86,8 @@ ADDED_TARGET_MS = 2.0
 GIVE_UP_S = 120.0
 BIG = "big = os.urandom(100 << 20)"
 MS = 1000.0
+#: Pause between undraining a host and draining the other.
+SETTLE_S = 1.5
 
 
 @dataclass
@@ -201,7 +212,9 @@ async def agent_metrics(side: Side) -> dict[str, float]:
 
 
 # ------------------------------------------------------------------ 1, 2: latency
-async def small_latency(on: Side, samples: int, poller: Poller) -> dict[str, float]:
+async def small_latency(on: Side, samples: int, poller: Poller,
+                        tag: str = "small") -> dict[str, float]:
+    """Checkpoint latency of ``samples`` small cells; figures ``checkpoint_<tag>_*``."""
     for index in range(3):  # warm-up: the first checkpoint saves the whole namespace
         await checkpointed(on, f"warm_{index} = {index}", poller)
     poller.gaps.clear()
@@ -209,22 +222,22 @@ async def small_latency(on: Side, samples: int, poller: Poller) -> dict[str, flo
     lags = [(await checkpointed(on, f"x_{i} = {i}", poller))[1] for i in range(samples)]
     metrics_after = await agent_metrics(on)
     out = {
-        "checkpoint_small_samples": float(samples),
-        "checkpoint_small_p50_ms": statistics.median(lags) * MS,
-        "checkpoint_small_p99_ms": percentile(lags, 99) * MS,
-        "checkpoint_small_max_ms": max(lags) * MS,
-        "checkpoint_poll_ms": poller.poll_s * MS,
-        "checkpoint_poll_period_mean_ms": statistics.mean(poller.gaps) * MS,
+        f"checkpoint_{tag}_samples": float(samples),
+        f"checkpoint_{tag}_p50_ms": statistics.median(lags) * MS,
+        f"checkpoint_{tag}_p99_ms": percentile(lags, 99) * MS,
+        f"checkpoint_{tag}_max_ms": max(lags) * MS,
+        f"checkpoint_{tag}_poll_period_mean_ms": statistics.mean(poller.gaps) * MS,
     }
     count_name, sum_name = ("nbfleet_cell_checkpoint_seconds_count",
                             "nbfleet_cell_checkpoint_seconds_sum")
     if count_name in metrics_before and count_name in metrics_after:
         done = metrics_after[count_name] - metrics_before[count_name]
         if done > 0:
-            # The agent's own clock: from its sight of the reply to the control plane's answer.
-            out["checkpoint_small_agent_mean_ms"] = (
+            # The agent's own clock: from its sight of the reply to the control plane's
+            # answer (a mean: the histogram has no exact quantiles).
+            out[f"checkpoint_{tag}_agent_mean_ms"] = (
                 (metrics_after[sum_name] - metrics_before[sum_name]) / done * MS)
-            out["checkpoint_small_agent_count"] = done
+            out[f"checkpoint_{tag}_agent_count"] = done
     return out
 
 
@@ -255,6 +268,7 @@ async def big_latency(on: Side, off: Side, samples: int, poller: Poller) -> dict
 # ------------------------------------------------------------------ 3: added latency
 async def added_latency(on: Side, off: Side, samples: int, block: int, think_s: float,
                         mode: str, poller: Poller) -> dict[str, float]:
+    """ON against OFF cell latency; figures ``added_<mode>_*``."""
     times: dict[str, list[float]] = {"on": [], "off": []}
     kept_before = (await agent_metrics(on)).get("nbfleet_cell_checkpoints_total")
     counter = 0
@@ -325,15 +339,18 @@ def agent_ids(url: str, home: Path) -> list[str]:
     return [a["id"] for a in got.json()["items"]] if got.status_code == 200 else []
 
 
-async def move(http: httpx.AsyncClient, side: Side, leaving: str) -> tuple[float, str, list[str]]:
+async def move(http: httpx.AsyncClient, side: Side,
+               leaving: str) -> tuple[float, float, str, list[str]]:
     """Drain ``leaving`` (the workspace's host); (seconds from the call to the workspace
-    running elsewhere, its new host, the states seen on the way)."""
+    running elsewhere, seconds from the call to its move starting, its new host, the
+    states seen on the way)."""
     admin = admin_headers(side.home)
     start = time.perf_counter()
     drained = await http.post(f"/v1/admin/hosts/{leaving}/drain", headers=admin)
     if drained.status_code != 200:
         raise RuntimeError(f"drain of {leaving}: {drained.status_code} {drained.text}")
     seen: list[str] = []
+    started: float | None = None
     deadline = start + GIVE_UP_S
     while True:
         body = (await http.get(f"/v1/workspaces/{side.workspace}")).json()
@@ -341,10 +358,12 @@ async def move(http: httpx.AsyncClient, side: Side, leaving: str) -> tuple[float
         state = f"{body['state']}@{body.get('host_id')}"
         if body.get("last_error"):
             state += f" ({str(body['last_error'])[:200]})"
-        if not seen or seen[-1] != state:
-            seen.append(state)
+        if not seen or seen[-1].split(" +", 1)[0] != state:
+            seen.append(f"{state} +{(now - start) * MS:.0f} ms")
+        if started is None and (body["state"], body.get("host_id")) != ("running", leaving):
+            started = now - start
         if body["state"] == "running" and body.get("host_id") not in (None, leaving):
-            return now - start, str(body["host_id"]), seen
+            return now - start, started or 0.0, str(body["host_id"]), seen
         # A move keeps the desired state running (a failed placement is retried);
         # a drain with nowhere to go suspends the workspace.
         if body["desired_state"] == "suspended" or now > deadline:
@@ -354,48 +373,60 @@ async def move(http: httpx.AsyncClient, side: Side, leaving: str) -> tuple[float
         await asyncio.sleep(0.01)
 
 
-async def moves(on: Side, poller: Poller) -> dict[str, float]:
-    out: dict[str, float] = {}
+async def moves(on: Side, poller: Poller, count: int) -> dict[str, float]:
+    """``count`` moves back and forth with a small state, then ``count`` with 100 MB."""
+    admin = admin_headers(on.home)
+    states = {  # what the kernel is given, and how its state is checked after a move
+        "small": ("del big\nv = 41", "print(v)"),
+        "100mb": (f"{BIG}\nimport hashlib\ndigest = hashlib.sha256(big).hexdigest()",
+                  "print(hashlib.sha256(big).hexdigest())"),
+    }
+    times: dict[str, list[float]] = {kind: [] for kind in states}
+    reactions: dict[str, list[float]] = {kind: [] for kind in states}
+    kept: dict[str, bool] = dict.fromkeys(states, True)
     async with httpx.AsyncClient(base_url=on.url, timeout=60.0,
                                  headers={"Authorization": f"Bearer {on.token}"}) as http:
-        first = (await http.get(f"/v1/workspaces/{on.workspace}")).json()["host_id"]
+        here = (await http.get(f"/v1/workspaces/{on.workspace}")).json()["host_id"]
         with extra_agent(on.url, on.home) as proc:
             await asyncio.to_thread(wait_for, lambda: len(agent_ids(on.url, on.home)) >= 2,
                                     proc, "the second agent")
-            second = next(a for a in agent_ids(on.url, on.home) if a != first)
-            # Small state: the 100 MB of the earlier cells let go first.
-            await checkpointed(on, "del big\nv = 41", poller)
+            other = {here: next(a for a in agent_ids(on.url, on.home) if a != here)}
+            other[other[here]] = here
+            for kind, (setup, check) in states.items():
+                await checkpointed(on, setup, poller)
+                expected = await printed(on.sock, check)
+                for index in range(count):
+                    there = other[here]
+                    # The host an earlier move drained takes work again.
+                    undrained = await http.delete(f"/v1/admin/hosts/{there}/drain",
+                                                  headers=admin)
+                    if undrained.status_code != 200:
+                        raise RuntimeError(f"undrain of {there}: {undrained.status_code} "
+                                           f"{undrained.text}")
+                    await on.sock.close()
+                    # The undrain's wake ran the fleet's duties: a drain within
+                    # DUTIES_EVERY_S of them would wait for the next tick instead.
+                    await asyncio.sleep(SETTLE_S)
+                    took, started, landed, seen = await move(http, on, here)
+                    stderr.print(f"move {index + 1}/{count} ({kind} state): {took * MS:.0f} ms, "
+                                 f"{here} -> {landed}, states {seen}")
+                    on.sock = await KernelSocket.connect(
+                        channels_url(on.url, on.workspace, on.kernel), on.token)
+                    got = await printed(on.sock, check)
+                    kept[kind] = kept[kind] and got == expected and landed == there
+                    times[kind].append(took)
+                    reactions[kind].append(started)
+                    here = landed
             await on.sock.close()
-            took, landed, seen = await move(http, on, first)
-            stderr.print(f"move 1 (small state): {took * MS:.0f} ms, {first} -> {landed}, "
-                         f"states {seen}")
-            on.sock = await KernelSocket.connect(channels_url(on.url, on.workspace, on.kernel),
-                                                 on.token)
-            got = await printed(on.sock, "print(v)")
-            out["move_small_ms"] = took * MS
-            out["move_small_state_ok"] = float(got == "41" and landed == second)
-            # 100 MB of state, back the other way.
-            admin = admin_headers(on.home)
-            undrained = await http.delete(f"/v1/admin/hosts/{first}/drain", headers=admin)
-            if undrained.status_code != 200:
-                raise RuntimeError(f"undrain of {first}: {undrained.status_code} "
-                                   f"{undrained.text}")
-            await checkpointed(on, f"{BIG}\nimport hashlib\n"
-                               "digest = hashlib.sha256(big).hexdigest()", poller)
-            digest = await printed(on.sock, "print(digest)")
-            await on.sock.close()
-            took, landed, seen = await move(http, on, second)
-            stderr.print(f"move 2 (100 MB state): {took * MS:.0f} ms, {second} -> {landed}, "
-                         f"states {seen}")
-            on.sock = await KernelSocket.connect(channels_url(on.url, on.workspace, on.kernel),
-                                                 on.token)
-            got = await printed(on.sock, "print(hashlib.sha256(big).hexdigest())")
-            out["move_100mb_ms"] = took * MS
-            out["move_100mb_state_ok"] = float(got == digest and landed == first)
-            for host, name in ((first, "first"), (second, "second")):
-                report = (await http.get(f"/v1/admin/hosts/{host}", headers=admin)).json()
-                out[f"move_{name}_host_moved"] = float(report.get("moved", -1))
-            await on.sock.close()
+    out: dict[str, float] = {"move_count": float(count)}
+    for kind, took in times.items():
+        out[f"move_{kind}_p50_ms"] = statistics.median(took) * MS
+        out[f"move_{kind}_max_ms"] = max(took) * MS
+        # The drain's turn to be acted on (the fleet's duties), then the move itself.
+        out[f"move_{kind}_reaction_p50_ms"] = statistics.median(reactions[kind]) * MS
+        out[f"move_{kind}_moving_p50_ms"] = statistics.median(
+            t - r for t, r in zip(took, reactions[kind], strict=True)) * MS
+        out[f"move_{kind}_state_ok"] = float(kept[kind])
     return out
 
 
@@ -412,43 +443,53 @@ async def run(args: argparse.Namespace, root: Path) -> dict[str, float]:
                                  workspace_kernel(off_url, root / "off"))
         on = Side("on", on_url, root / "on", on_sock, on_kernel, on_ws, on_token)
         off = Side("off", off_url, root / "off", off_sock, off_kernel, off_ws, off_token)
-        results: dict[str, float] = {}
-        stderr.print("checkpoint latency, small cells")
-        results.update(await small_latency(on, args.samples, poller))
-        stderr.print("checkpoint latency, 100 MB cells")
-        results.update(await big_latency(on, off, args.big_samples, poller))
-        for mode, think in (("b2b", 0.0), ("think", args.think_ms / MS)):
-            stderr.print(f"added cell latency, {mode}")
-            results.update(await added_latency(on, off, args.samples, args.block, think, mode,
-                                               poller))
+        results: dict[str, float] = {"checkpoint_poll_ms": args.poll_ms}
+        think_s = args.think_ms / MS
+        # A namespace of a few small values first, then one that holds 100 MB.
+        for namespace in ("", "_ns100mb"):
+            if namespace:
+                stderr.print("checkpoint latency, 100 MB cells")
+                results.update(await big_latency(on, off, args.big_samples, poller))
+            stderr.print(f"checkpoint latency, small cells{namespace}")
+            results.update(await small_latency(on, args.samples, poller, f"small{namespace}"))
+            for mode, think in (("b2b", 0.0), ("think", think_s)):
+                stderr.print(f"added cell latency, {mode}{namespace}")
+                results.update(await added_latency(on, off, args.samples, args.block, think,
+                                                   f"{mode}{namespace}", poller))
         await off.sock.close()
-        if not args.no_moves:
+        if args.moves:
             stderr.print("moves")
-            results.update(await moves(on, poller))
+            results.update(await moves(on, poller, args.moves))
         else:
             await on.sock.close()
     return results
 
 
 def verdict(results: dict[str, float], args: argparse.Namespace) -> str:
-    p50, p99 = results["checkpoint_small_p50_ms"], results["checkpoint_small_p99_ms"]
-    parts = [
-        f"small-cell checkpoint latency (execute_reply -> durable in the blob store and "
-        f"recorded) p50 {p50:.1f} ms vs NotebookOS sync 54.8: "
-        f"{'below' if p50 < NOTEBOOKOS_P50_MS else 'NOT below'}, p99 {p99:.1f} ms vs 268: "
-        f"{'below' if p99 < NOTEBOOKOS_P99_MS else 'NOT below'}",
-        f"100 MB: p50 {results['checkpoint_100mb_p50_ms']:.0f} ms, "
-        f"max {results['checkpoint_100mb_max_ms']:.0f} ms",
-    ]
-    for mode, label in (("b2b", "back-to-back"), ("think", f"{args.think_ms:g} ms think")):
-        added = results[f"added_{mode}_median_ms"]
-        parts.append(f"added cell latency {label} {added:+.2f} ms at the median "
-                     f"(target <= {ADDED_TARGET_MS:g}: "
-                     f"{'met' if added <= ADDED_TARGET_MS else 'NOT met'})")
-    if "move_small_ms" in results:
-        parts.append(f"move {results['move_small_ms']:.0f} ms small, "
-                     f"{results['move_100mb_ms']:.0f} ms with 100 MB (state "
-                     f"{'kept' if results['move_small_state_ok'] and results['move_100mb_state_ok'] else 'NOT kept'})")  # noqa: E501
+    parts = []
+    for namespace, label in (("", "small cell"), ("_ns100mb", "small cell, 100 MB held")):
+        p50 = results[f"checkpoint_small{namespace}_p50_ms"]
+        p99 = results[f"checkpoint_small{namespace}_p99_ms"]
+        parts.append(
+            f"checkpoint latency ({label}; execute_reply -> durable in the blob store and "
+            f"recorded) p50 {p50:.1f} ms vs NotebookOS sync {NOTEBOOKOS_P50_MS:g}: "
+            f"{'below' if p50 < NOTEBOOKOS_P50_MS else 'NOT below'}, p99 {p99:.1f} ms vs "
+            f"{NOTEBOOKOS_P99_MS:g}: {'below' if p99 < NOTEBOOKOS_P99_MS else 'NOT below'}")
+    parts.append(f"100 MB cell: p50 {results['checkpoint_100mb_p50_ms']:.0f} ms, "
+                 f"max {results['checkpoint_100mb_max_ms']:.0f} ms")
+    for namespace, held in (("", ""), ("_ns100mb", ", 100 MB held")):
+        for mode, label in (("b2b", "back-to-back"), ("think", f"{args.think_ms:g} ms think")):
+            added = results[f"added_{mode}{namespace}_median_ms"]
+            parts.append(f"added cell latency ({label}{held}) {added:+.2f} ms at the median "
+                         f"(target <= {ADDED_TARGET_MS:g}: "
+                         f"{'met' if added <= ADDED_TARGET_MS else 'NOT met'})")
+    if "move_count" in results:
+        kept = results["move_small_state_ok"] and results["move_100mb_state_ok"]
+        parts.append(f"move (drain -> running elsewhere) p50 {results['move_small_p50_ms']:.0f}"
+                     f" ms small ({results['move_small_moving_p50_ms']:.0f} ms once started), "
+                     f"{results['move_100mb_p50_ms']:.0f} ms with 100 MB "
+                     f"({results['move_100mb_moving_p50_ms']:.0f} ms once started; "
+                     f"state {'kept' if kept else 'NOT kept'})")
     return f"{BENCH}: " + " | ".join(parts)
 
 
@@ -465,12 +506,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="pause between cells in the think-time mode (default: %(default)s)")
     parser.add_argument("--poll-ms", type=float, default=1.0,
                         help="how often the control plane's DB is polled (default: %(default)s)")
-    parser.add_argument("--no-moves", action="store_true", help="skip the move times")
+    parser.add_argument("--moves", type=int, default=3,
+                        help="moves timed per state, back and forth (0: none; "
+                             "default: %(default)s)")
     args = parser.parse_args(argv)
     if args.samples < 2 or args.big_samples < 2 or args.block < 1:
         parser.error("need --samples >= 2, --big-samples >= 2 and --block >= 1")
-    if args.think_ms < 0 or args.poll_ms <= 0:
-        parser.error("need --think-ms >= 0 and --poll-ms > 0")
+    if args.think_ms < 0 or args.poll_ms <= 0 or args.moves < 0:
+        parser.error("need --think-ms >= 0, --poll-ms > 0 and --moves >= 0")
     with tempfile.TemporaryDirectory(prefix="nbfleet-bench-") as tmp:
         try:
             results = asyncio.run(run(args, Path(tmp)))

@@ -37,6 +37,7 @@ from nbfleet.protocol.agent import (
     SuspendRuntime,
     WarmPoolState,
 )
+from nbfleet.protocol.checkpoints import StageCheckpoint, StandbyState
 from nbfleet.protocol.gpu import AgentBindings
 from nbfleet.protocol.kernel_env import allowed_kernel_env
 from nbfleet.storage.files import MAX_FILE_BYTES
@@ -112,6 +113,25 @@ def create_agent_app(service: AgentService) -> FastAPI:
         released = await service.manager.release(workspace_id, order.generation,
                                                   sync=order.sync)
         return RuntimeReleased(released=released)
+
+    @api.put("/standbys/{workspace_id}")
+    async def keep_standby(workspace_id: str, body: EnsureRuntime) -> StandbyState:
+        standby = await service.manager.keep_standby(
+            workspace_id, body.generation, [(k.id, k.name) for k in body.kernels],
+            body.snapshot, body.packages,
+            Limits.from_dict(body.limits.model_dump()) if body.limits else None,
+            body.network, body.gpus)
+        return StandbyState.model_validate({"kernels": standby.state()})
+
+    @api.post("/standbys/{workspace_id}/stage")
+    async def stage_checkpoint(workspace_id: str, body: StageCheckpoint) -> StandbyState:
+        standby = await service.manager.standbys.stage(
+            workspace_id, body.generation, body.kernel_id, body.key, body.cell)
+        return StandbyState.model_validate({"kernels": standby.state()})
+
+    @api.delete("/standbys/{workspace_id}", status_code=204)
+    async def drop_standby(workspace_id: str) -> None:
+        await service.manager.standbys.drop(workspace_id)
 
     @api.post("/runtimes/{workspace_id}/kernels", status_code=201)
     async def add_kernel(workspace_id: str, body: AddKernel) -> KernelModel:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,7 @@ from nbfleet.agent.kernel_process import KernelProcess
 from nbfleet.agent.livesync import LiveSync
 from nbfleet.agent.sandbox import Isolation, gpu_devices
 from nbfleet.agent.slots import WARM_IMPORTS, Slot, new_kernel
+from nbfleet.agent.standbys import Standby, Standbys, promote_files
 from nbfleet.agent.warmpool import Warm, WarmPool
 from nbfleet.model.errors import Conflict, NotFound, SuspendFailed
 from nbfleet.model.limits import Limits
@@ -88,6 +90,9 @@ class RuntimeManager:
         self.file_sync_interval_s = file_sync_interval_s
         #: Saves each kernel's state after every cell (None: only at suspend).
         self.checkpoints: Checkpointer | None = None
+        #: Other hosts' workspaces kept warm here (``standbys``).
+        self.standbys = Standbys(files, self.blobs, self.new_slot, self.sandbox,
+                                 self._restore_layer, self.base_env)
 
     def new_slot(self, name: str, limits: Limits | None = None, network: str = "none",
                  devices: tuple[str, ...] = ()) -> Slot:
@@ -133,6 +138,9 @@ class RuntimeManager:
         async with self._lock(workspace_id):
             self._fence(workspace_id, generation)
             runtime = self.runtimes.get(workspace_id)
+            if runtime is None and (standby := self.standbys.take(workspace_id)) is not None:
+                return await self._promote(standby, generation, wanted, snapshot or {},
+                                           packages, notices or {})
             if runtime is None:
                 devices = self.gpu_devices if gpus else ()
                 return await self._place(workspace_id, generation, wanted, snapshot or {},
@@ -198,6 +206,62 @@ class RuntimeManager:
         self.runtimes[workspace_id] = runtime
         self._start_sync(runtime)
         return placed
+
+    async def _promote(self, standby: Standby, generation: int,
+                       kernels: list[tuple[str, str]], snapshot: dict[str, str],
+                       packages: str | None, notices: dict[str, str]) -> Placed:
+        """Serve the workspace from the standby kept here: its kernels run already,
+        and the state staged is loaded instead of downloaded (when it is the one
+        asked for; else the asked one is downloaded, as on any placement)."""
+        workspace_id = standby.workspace_id
+        runtime = Runtime(workspace_id, generation, standby.slot)
+        placed = Placed(runtime)
+        try:
+            runtime.manifest = await promote_files(self.files, workspace_id, standby.slot)
+            placed.packages = ({"restored": True} if packages == standby.packages else
+                               await asyncio.to_thread(self._restore_layer, workspace_id,
+                                                       packages, standby.slot))
+            for kernel_id, name in kernels:
+                kernel = standby.kernels.pop(kernel_id, None)
+                if kernel is None:
+                    kernel = await self._start_kernel(runtime, kernel_id, name)
+                else:
+                    self._register(runtime, kernel)
+                if notices.get(kernel_id):
+                    kernel.announce(notices[kernel_id])
+                key = snapshot.get(kernel_id)
+                staged = standby.staged.get(kernel_id)
+                ready = staged is not None and key is not None and staged.key == key
+                if ready and staged is not None:
+                    del standby.staged[kernel_id]  # moved into the kernel's state
+                placed.restore[kernel_id] = await statesync.restore(
+                    self.blobs, workspace_id, kernel, key, "standby",
+                    staged=staged.directory if ready and staged is not None else None,
+                    reuse=staged.directory if not ready and staged is not None else None)
+        except BaseException:
+            await self._teardown(runtime, sync=False)
+            raise
+        finally:
+            for kernel in standby.kernels.values():  # not wanted any more
+                await kernel.shutdown()
+            for left in standby.staged.values():
+                await asyncio.to_thread(shutil.rmtree, left.directory, True)
+        self.runtimes[workspace_id] = runtime
+        self._start_sync(runtime)
+        return placed
+
+    async def keep_standby(self, workspace_id: str, generation: int,
+                           kernels: Iterable[tuple[str, str]], snapshot: dict[str, str],
+                           packages: str | None, limits: Limits | None = None,
+                           network: str = "none", gpus: int = 0) -> Standby:
+        """Keep the workspace warm here for another host's executor (``standbys``)."""
+        async with self._lock(workspace_id):
+            self._fence(workspace_id, generation)
+            devices = self.gpu_devices if gpus else ()
+            return await self.standbys.keep(
+                workspace_id, generation, list(kernels), snapshot, packages,
+                (self.isolation.limits.over(limits), network, devices),
+                workspace_id in self.runtimes)
 
     def _start_sync(self, runtime: Runtime) -> None:
         if self.file_sync_interval_s <= 0:
@@ -425,6 +489,7 @@ class RuntimeManager:
     async def shutdown(self) -> None:
         """Agent exit: stop every kernel and save what the kernels wrote."""
         await self.pool.shutdown()
+        await self.standbys.shutdown()
         for runtime in list(self.runtimes.values()):
             try:
                 async with self._lock(runtime.workspace_id):

@@ -116,7 +116,8 @@ def upload(store: BlobStore, workspace_id: str, kernel: KernelProcess) -> dict[s
 
 async def restore(store: BlobStore, workspace_id: str, kernel: KernelProcess,
                   key: str | None, path: str, prepared: frozenset[str] = frozenset(),
-                  preimport: tuple[str, ...] = ()) -> dict[str, Any]:
+                  preimport: tuple[str, ...] = (), staged: str | None = None,
+                  reuse: str | None = None) -> dict[str, Any]:
     """Load a snapshot into a started kernel; the report says what came back.
 
     A snapshot that fails verification, or that the kernel cannot read, is not
@@ -124,6 +125,9 @@ async def restore(store: BlobStore, workspace_id: str, kernel: KernelProcess,
     only the files were restored. ``preimport``: modules (``preimports.needs``) the
     kernel imports while the snapshot downloads; ``prepared``: those a warm kernel
     imported before it was claimed. The report lists those that did load.
+    ``staged``: ``key`` already downloaded and verified there by the agent (a
+    standby's), moved into place instead of downloaded; ``reuse``: an older such
+    download, whose blobs are linked rather than fetched again.
     """
     started = time.perf_counter()
     report: dict[str, Any] = {"path": path, "restored": [], "changed": [], "recomputed": [],
@@ -134,7 +138,7 @@ async def restore(store: BlobStore, workspace_id: str, kernel: KernelProcess,
         try:
             try:
                 report["bytes"] = await asyncio.to_thread(_install, store, workspace_id, key,
-                                                          kernel)
+                                                          kernel, staged, reuse)
             finally:
                 if importing is not None:
                     report.update(await importing)
@@ -152,6 +156,11 @@ async def restore(store: BlobStore, workspace_id: str, kernel: KernelProcess,
     if message:
         kernel.announce(message)
     return report
+
+
+async def preimport(kernel: KernelProcess, modules: tuple[str, ...]) -> list[str]:
+    """Import ``modules`` in the kernel ahead of a restore; those that loaded."""
+    return (await _preimport(kernel, frozenset(), modules)).get("preimported", [])
 
 
 async def _preimport(kernel: KernelProcess, prepared: frozenset[str],
@@ -196,7 +205,8 @@ async def _stop_restore(kernel: KernelProcess) -> dict[str, Any]:
 
 
 def _install(store: BlobStore | None, workspace_id: str, key: str | None,
-             kernel: KernelProcess) -> int:
+             kernel: KernelProcess, staged: str | None = None,
+             reuse: str | None = None) -> int:
     """Put a snapshot (None: nothing) in place as the kernel's state directory.
 
     The kernel owns its state directory and may already run code (a
@@ -205,12 +215,15 @@ def _install(store: BlobStore | None, workspace_id: str, key: str | None,
     the agent never writes through a link the kernel planted. Returns its size.
     """
     assert kernel.state_dir is not None and kernel.staging_root is not None
-    staging = os.path.join(kernel.staging_root, f".restore-{uuid.uuid4().hex[:12]}")
-    os.mkdir(staging, 0o755)
+    staging = staged or os.path.join(kernel.staging_root, f".restore-{uuid.uuid4().hex[:12]}")
+    if staged is None:
+        os.mkdir(staging, 0o755)
     try:
         size = 0
-        if store is not None and key is not None:
-            size = download_state(store, workspace_id, key, staging)
+        if staged is not None:
+            size = _size(staged)
+        elif store is not None and key is not None:
+            size = download_state(store, workspace_id, key, staging, reuse)
         parent, name = os.path.split(kernel.state_dir)
         with beneath.directory(parent) as folder:
             with contextlib.suppress(FileNotFoundError):
@@ -224,6 +237,11 @@ def _install(store: BlobStore | None, workspace_id: str, key: str | None,
         raise
     kernel.own(kernel.state_dir)
     return size
+
+
+def _size(directory: str) -> int:
+    return sum(entry.stat().st_size for entry in os.scandir(os.path.join(directory, "blobs"))
+               ) + os.path.getsize(os.path.join(directory, "manifest.json"))
 
 
 def _read_report(state_dir: str) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from nbfleet.protocol.agent import (
     SuspendRuntime,
     WarmPoolState,
 )
+from nbfleet.protocol.checkpoints import StageCheckpoint, StandbyState
 from nbfleet.protocol.gpu import AgentBindings
 
 M = TypeVar("M", bound=BaseModel)
@@ -104,6 +105,33 @@ class AgentClient:
         return _answer(RuntimeReleased, await self._call(
             "DELETE", f"{base}/agent/v1/runtimes/{workspace_id}",
             params=order.model_dump(mode="json")))
+
+    async def keep_standby(self, base: str, workspace_id: str, generation: int,
+                           kernels: list[tuple[str, str]], snapshot: dict[str, Any] | None,
+                           limits: dict[str, Any] | None = None, network: str | None = None,
+                           gpus: int = 0) -> StandbyState:
+        """Keep the workspace warm on that host (``agent/standbys.py``)."""
+        snapshot = snapshot or {}
+        order = _order(EnsureRuntime, generation=generation,
+                       kernels=[{"id": kid, "name": name} for kid, name in kernels],
+                       snapshot={kid: k["key"]
+                                 for kid, k in (snapshot.get("kernels") or {}).items()},
+                       packages=snapshot.get("packages"), limits=limits or None,
+                       network=network or "none", gpus=gpus)
+        return _answer(StandbyState, await self._call(
+            "PUT", f"{base}/agent/v1/standbys/{workspace_id}",
+            json=order.model_dump(mode="json")))
+
+    async def stage(self, base: str, workspace_id: str, generation: int, kernel_id: str,
+                    key: str, cell: int | None) -> StandbyState:
+        order = _order(StageCheckpoint, generation=generation, kernel_id=kernel_id, key=key,
+                       cell=cell)
+        return _answer(StandbyState, await self._call(
+            "POST", f"{base}/agent/v1/standbys/{workspace_id}/stage",
+            json=order.model_dump(mode="json")))
+
+    async def drop_standby(self, base: str, workspace_id: str) -> None:
+        await self._call("DELETE", f"{base}/agent/v1/standbys/{workspace_id}")
 
     async def add_kernel(self, base: str, workspace_id: str, generation: int, kernel_id: str,
                          name: str, *, env: Mapping[str, str] | None = None) -> KernelModel:

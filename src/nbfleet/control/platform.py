@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from nbfleet.control.agent_client import AgentClient
 from nbfleet.control.fleet.service import FleetService
 from nbfleet.control.fleet.sizing import FleetSettings
+from nbfleet.control.standbys import StandbyKeeper
 from nbfleet.db.engine import Database
 from nbfleet.jobs.settings import JobSettings
 from nbfleet.model.jobs import RetryRules, parse_tiers
@@ -98,6 +99,7 @@ class Platform:
         self.agents = AgentClient(self.config.secret)
         self.jobs = self.config.job_settings()
         self.fleet = FleetService(self)
+        self.standbys = StandbyKeeper(self)
 
     def bind_loop(self) -> asyncio.Event:
         self._loop = asyncio.get_running_loop()

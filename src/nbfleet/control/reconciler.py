@@ -23,7 +23,7 @@ from prometheus_client import Counter
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from nbfleet.control import failover, hosts, leases
+from nbfleet.control import failover, hosts, leases, standbys
 from nbfleet.control.fleet.service import GpuPlacement
 from nbfleet.control.platform import Platform
 from nbfleet.control.step_results import Work, record
@@ -147,6 +147,7 @@ class Reconciler:
             await asyncio.to_thread(self._mark_dead_hosts)
             await fleet.sync_hosts()
             await fleet.periodic()
+        self.platform.standbys.kick()
         return True
 
     def _ended(self, workspace_id: str, _task: asyncio.Task[None]) -> None:
@@ -301,6 +302,10 @@ class Reconciler:
         timeout = self.platform.config.agent_timeout_s
         draining = hosts.draining_hosts(session)
         candidates = [h for h in gpu.hosts if h not in draining]
+        if ws.move_to is None and len(candidates) > 1 and not gpu.reserved:
+            # A replica host holding a standby serves at once (``standbys``).
+            warm = standbys.hosts_with_standbys(session, ws.id, ws.snapshot, now, timeout)
+            candidates.sort(key=lambda h: warm.index(h) if h in warm else len(warm))
         if ws.move_to is not None and gpu.waiting is None:
             # Moved for a cell whose GPUs the scheduler bound there.
             if ws.move_to not in draining:

@@ -129,6 +129,20 @@ class Workspace(Base):
     updated_at: Mapped[datetime]
 
 
+class StandbyReplica(Base):
+    """A workspace kept warm on a host it does not run on (``control/standbys.py``)."""
+
+    __tablename__ = "standby_replicas"
+    workspace_id: Mapped[str] = mapped_column(ForeignKey("workspaces.id"), primary_key=True)
+    host_id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    #: The host's boot when the standby was made: another boot has lost it.
+    boot_id: Mapped[str] = mapped_column(String(40))
+    #: kernel id -> {"key", "cell"}: the checkpoint staged there, as the host said.
+    staged: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
+    synced_at: Mapped[datetime | None]
+    created_at: Mapped[datetime]
+
+
 class WorkspaceEvent(Base):
     """One row per state change: the audit trail of a workspace."""
 

@@ -36,3 +36,25 @@ class CheckpointRecorded(BaseModel):
     kept: bool
     reason: str | None = None
     replaced: str | None = None
+
+
+# --------------------------------------------------------------- standbys
+class StageCheckpoint(BaseModel):
+    """``POST /agent/v1/standbys/{workspace_id}/stage``: a newer checkpoint of one
+    kernel, to download next to its standby (``agent/standbys.py``)."""
+
+    generation: int = Field(ge=1)
+    kernel_id: str = Field(max_length=200)
+    key: str = Field(max_length=1024)
+    cell: int | None = Field(None, ge=0)
+
+
+class StagedKernel(BaseModel):
+    key: str
+    cell: int | None = None
+
+
+class StandbyState(BaseModel):
+    """What a standby holds: each kernel's staged checkpoint."""
+
+    kernels: dict[str, StagedKernel] = {}

@@ -16,6 +16,7 @@ that directory to and from the blob store:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -120,8 +121,13 @@ def read_manifest(store: BlobStore, workspace_id: str, key: str) -> bytes:
     return raw
 
 
-def download_state(store: BlobStore, workspace_id: str, key: str, state_dir: str) -> int:
-    """Fetch a snapshot into ``state_dir`` and verify it; returns its size in bytes."""
+def download_state(store: BlobStore, workspace_id: str, key: str, state_dir: str,
+                   reuse: str | None = None) -> int:
+    """Fetch a snapshot into ``state_dir`` and verify it; returns its size in bytes.
+
+    ``reuse``: an earlier download of the agent's own (a standby's staged state),
+    whose verified blobs are linked instead of fetched again.
+    """
     raw = read_manifest(store, workspace_id, key)
     try:
         manifest = json.loads(raw)
@@ -134,6 +140,10 @@ def download_state(store: BlobStore, workspace_id: str, key: str, state_dir: str
 
     def fetch(digest: str) -> int:
         local = os.path.join(state_dir, "blobs", digest)
+        if reuse is not None:
+            with contextlib.suppress(OSError):
+                os.link(os.path.join(reuse, "blobs", digest), local)
+                return os.path.getsize(local)
         try:
             store.get_file(cas_key(workspace_id, digest), local)
         except NotFound as exc:

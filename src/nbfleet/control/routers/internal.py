@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 from fastapi import APIRouter, Depends, Request
@@ -71,11 +72,18 @@ def agent_drain(agent_id: str, body: DrainRequest, request: Request) -> HostDrai
 
 
 @router.post("/workspaces/{workspace_id}/checkpoints")
-def cell_checkpoint(workspace_id: str, body: CellCheckpoint,
-                    request: Request) -> CheckpointRecorded:
+async def cell_checkpoint(workspace_id: str, body: CellCheckpoint,
+                          request: Request) -> CheckpointRecorded:
     """An agent saved a kernel's state after a cell: kept as the kernel's latest
-    state if the agent still runs the workspace (``failover``)."""
-    return failover.record_checkpoint(platform_of(request).db, workspace_id, body)
+    state if the agent still runs the workspace (``failover``), and sent on to its
+    standby replicas (``standbys``)."""
+    platform = platform_of(request)
+    recorded = await asyncio.to_thread(failover.record_checkpoint, platform.db,
+                                       workspace_id, body)
+    if recorded.kept:
+        await platform.standbys.checkpointed(workspace_id, body.generation, body.kernel_id,
+                                             body.key, body.cell)
+    return recorded
 
 
 @router.post("/agents/{agent_id}/released", status_code=204)

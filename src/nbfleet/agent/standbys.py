@@ -1,0 +1,193 @@
+"""Standby replicas: a workspace's kernels kept warm on a host it does not run on.
+
+Under a replica policy the scheduler gives a GPU workspace's kernel several
+hosts; it runs on one. On each of the others the control plane keeps a standby
+(``control/standbys.py``): a sandbox slot with the workspace's files and package
+layer, its kernels started with the modules their state needs already imported,
+and the state of the executor's last checkpointed cell downloaded and verified on
+this host's disk. After each cell the control plane sends the new checkpoint,
+off the critical path; only the blobs this host lacks are fetched.
+
+A placement of the workspace on this host (a lost executor, a move for a cell's
+GPUs) promotes the standby (``RuntimeManager.ensure``): its files are brought up
+to date from the store and the staged state is loaded into the kernel that is
+already running. That saves the kernel start, the imports and the download; the
+values themselves are loaded at promotion, not kept loaded between cells.
+
+No client can reach a standby's kernels: they are not in the host's kernel table,
+and they run nothing but the agent's own requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from nbfleet.agent import filesync, preimports, statesync
+from nbfleet.agent.kernel_process import KernelProcess
+from nbfleet.agent.sandbox import Sandbox
+from nbfleet.agent.slots import Slot, new_kernel
+from nbfleet.model.errors import Conflict, NotFound
+from nbfleet.storage.blobs import BlobStore
+from nbfleet.storage.files import WorkspaceFiles
+from nbfleet.storage.snapshots import download_state
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Staged:
+    """A snapshot downloaded and verified in an agent-only directory."""
+
+    key: str
+    cell: int | None
+    directory: str
+
+
+@dataclass
+class Standby:
+    workspace_id: str
+    generation: int
+    slot: Slot
+    kernels: dict[str, KernelProcess] = field(default_factory=dict)
+    #: The package layer restored into the slot.
+    packages: str | None = None
+    staged: dict[str, Staged] = field(default_factory=dict)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def state(self) -> dict[str, dict[str, str | int | None]]:
+        return {kid: {"key": s.key, "cell": s.cell} for kid, s in self.staged.items()}
+
+
+class Standbys:
+    """This host's standbys, by workspace. ``new_slot`` and ``restore_layer`` are the
+    runtime manager's, so a standby's sandbox is exactly a runtime's."""
+
+    def __init__(self, files: WorkspaceFiles, blobs: BlobStore,
+                 new_slot: Callable[..., Slot], sandbox: Sandbox | None,
+                 restore_layer: Callable[[str, str | None, Slot], object],
+                 base_env: preimports.BaseEnvironment) -> None:
+        self.files = files
+        self.blobs = blobs
+        self.new_slot = new_slot
+        self.sandbox = sandbox
+        self.restore_layer = restore_layer
+        self.base_env = base_env
+        self.by_workspace: dict[str, Standby] = {}
+
+    async def keep(self, workspace_id: str, generation: int,
+                   kernels: list[tuple[str, str]], snapshot: dict[str, str],
+                   packages: str | None, slot_args: tuple[object, ...],
+                   is_running_here: bool) -> Standby:
+        """Make the standby exist (idempotent: an existing one is kept as it is)."""
+        if is_running_here:
+            raise Conflict(f"workspace {workspace_id} runs on this host: no standby here")
+        standby = self.by_workspace.get(workspace_id)
+        if standby is not None:
+            standby.generation = max(standby.generation, generation)
+            return standby
+        slot = await asyncio.to_thread(self.new_slot, workspace_id, *slot_args)
+        standby = Standby(workspace_id, generation, slot, packages=packages)
+        try:
+            await asyncio.to_thread(filesync.materialize, self.files, workspace_id, slot.files,
+                                    slot.owner)
+            await asyncio.to_thread(self.restore_layer, workspace_id, packages, slot)
+            await asyncio.to_thread(slot.hand_over)
+            needs = await asyncio.to_thread(preimports.snapshot_needs, self.blobs, workspace_id,
+                                            snapshot, self.base_env)
+            for kernel_id, name in kernels:
+                kernel = new_kernel(slot, kernel_id, workspace_id, name, self.sandbox)
+                try:
+                    await kernel.start()
+                except BaseException:
+                    await kernel.shutdown()
+                    raise
+                standby.kernels[kernel_id] = kernel
+                wanted = needs.get(kernel_id, preimports.NOTHING).modules
+                if wanted:
+                    await statesync.preimport(kernel, wanted)
+                if snapshot.get(kernel_id):
+                    await self._stage(standby, kernel_id, snapshot[kernel_id], None)
+        except BaseException:
+            await self._remove(standby)
+            raise
+        self.by_workspace[workspace_id] = standby
+        return standby
+
+    async def stage(self, workspace_id: str, generation: int, kernel_id: str, key: str,
+                    cell: int | None) -> Standby:
+        """Download a newer checkpoint of one kernel (only the blobs not staged yet)."""
+        standby = self.by_workspace.get(workspace_id)
+        if standby is None or kernel_id not in standby.kernels:
+            raise NotFound(f"no standby of {workspace_id}/{kernel_id} on this host")
+        if generation < standby.generation:
+            raise Conflict(f"stale checkpoint for {workspace_id}: generation {generation} < "
+                           f"{standby.generation}", current_generation=standby.generation)
+        async with standby.lock:
+            if self.by_workspace.get(workspace_id) is standby:
+                await self._stage(standby, kernel_id, key, cell)
+        return standby
+
+    async def _stage(self, standby: Standby, kernel_id: str, key: str,
+                     cell: int | None) -> None:
+        old = standby.staged.get(kernel_id)
+        if old is not None and old.key == key:
+            return
+        directory = os.path.join(standby.slot.root,
+                                 f".standby-{kernel_id[:12]}-{secrets.token_hex(4)}")
+        os.mkdir(directory, 0o700)
+        try:
+            await asyncio.to_thread(download_state, self.blobs, standby.workspace_id, key,
+                                    directory, old.directory if old else None)
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+        standby.staged[kernel_id] = Staged(key, cell, directory)
+        if old is not None:
+            await asyncio.to_thread(shutil.rmtree, old.directory, True)
+
+    def take(self, workspace_id: str) -> Standby | None:
+        """The standby, handed over for a promotion (it is no longer a standby)."""
+        return self.by_workspace.pop(workspace_id, None)
+
+    async def drop(self, workspace_id: str) -> bool:
+        standby = self.by_workspace.pop(workspace_id, None)
+        if standby is None:
+            return False
+        async with standby.lock:
+            await self._remove(standby)
+        return True
+
+    async def shutdown(self) -> None:
+        for workspace_id in list(self.by_workspace):
+            with contextlib.suppress(Exception):
+                await self.drop(workspace_id)
+
+    @staticmethod
+    async def _remove(standby: Standby) -> None:
+        await asyncio.gather(*(k.shutdown() for k in standby.kernels.values()),
+                             return_exceptions=True)
+        standby.kernels.clear()
+        await asyncio.to_thread(standby.slot.remove)
+
+
+async def promote_files(files: WorkspaceFiles, workspace_id: str, slot: Slot) -> dict[
+        str, tuple[int, int]]:
+    """The store's files, as of now, in a standby's working directory (the executor
+    wrote some since the standby was made): emptied, then materialized again."""
+    def refresh() -> dict[str, tuple[int, int]]:
+        with os.scandir(slot.files) as entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path)
+                else:
+                    os.unlink(entry.path)
+        return filesync.materialize(files, workspace_id, slot.files, slot.owner)
+    return await asyncio.to_thread(refresh)
+

@@ -1,0 +1,256 @@
+"""Standby replicas of GPU workspaces: made, kept in sync, and dropped.
+
+A replica policy (``notebookos``, ``nbfleet`` with ``--replicas`` over 1) gives a
+GPU workspace's kernel several hosts; the runtime runs on one of them (the
+executor). On each of the others this keeper makes a standby
+(``agent/standbys.py``): the kernel started there with the state of the
+executor's last checkpointed cell staged on that host's disk. Every checkpoint
+the control plane records (``failover.record_checkpoint``) is sent on to the
+standbys, off the cell's path, one at a time per standby (a newer one replaces
+one still waiting). A placement on a host with a standby promotes it; the
+reconciler prefers such a host (:func:`hosts_with_standbys`).
+
+The database is the one record of which standbys exist (``standby_replicas``):
+a standby is known by its host's boot, so one on a host that restarted (or that
+died) is made again elsewhere or dropped. Passes run in the reconciler's duties,
+in the lease holder only; a pass reads the running GPU workspaces (a few per
+host) and the standby rows, and acts on the differences only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import Histogram
+from sqlalchemy import delete, select
+
+from nbfleet.control import hosts
+from nbfleet.db.tables import Agent, Kernel, Project, StandbyReplica, Workspace
+from nbfleet.model.errors import DomainError
+from nbfleet.model.workspace import DesiredState, WorkspaceState
+from nbfleet.protocol.checkpoints import StandbyState
+
+if TYPE_CHECKING:
+    from nbfleet.control.platform import Platform
+
+log = logging.getLogger(__name__)
+
+STANDBY_SYNC = Histogram(
+    "nbfleet_standby_sync_seconds",
+    "From a checkpoint recorded to a standby replica having it staged",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
+
+#: A pass at most this often (the reconciler's duties run every 0.25 s).
+PASS_EVERY_S = 1.0
+#: Standbys made at once (each starts kernels on its host).
+PARALLEL = 8
+
+
+@dataclass(frozen=True, slots=True)
+class Want:
+    workspace_id: str
+    host_id: str
+    host_url: str
+    boot_id: str
+    generation: int
+    kernels: tuple[tuple[str, str], ...]
+    snapshot: dict[str, Any] | None
+    limits: dict[str, Any] | None
+    network: str | None
+    gpus: int
+
+
+@dataclass
+class _Sync:
+    """The checkpoints waiting for one standby: kernel id -> (key, cell, recorded at)."""
+
+    generation: int
+    waiting: dict[str, tuple[str, int | None, float]] = field(default_factory=dict)
+    task: asyncio.Task[None] | None = None
+
+
+@dataclass(eq=False)
+class StandbyKeeper:
+    platform: Platform
+    _last_pass: float = float("-inf")
+    _pass: asyncio.Task[None] | None = None
+    _syncs: dict[tuple[str, str], _Sync] = field(default_factory=dict)
+
+    # ------------------------------------------------------------ the passes
+    def kick(self) -> None:
+        """From the reconciler's duties: start a pass unless one runs or ran lately."""
+        if self._pass is not None and not self._pass.done():
+            return
+        if time.monotonic() - self._last_pass < PASS_EVERY_S:
+            return
+        self._last_pass = time.monotonic()
+        self._pass = asyncio.create_task(self._guarded_pass(), name="standby-pass")
+
+    async def _guarded_pass(self) -> None:
+        try:
+            await self.run_pass()
+        except Exception:
+            log.exception("standby pass failed")
+
+    async def run_pass(self) -> None:
+        wanted, stale = await asyncio.to_thread(self._plan)
+        for workspace_id, host_id, url in stale:
+            if url is not None:
+                with contextlib.suppress(DomainError):
+                    await self.platform.agents.drop_standby(url, workspace_id)
+            await asyncio.to_thread(self._forget, workspace_id, host_id)
+        limit = asyncio.Semaphore(PARALLEL)
+
+        async def make(want: Want) -> None:
+            async with limit:
+                await self._make(want)
+        await asyncio.gather(*(make(want) for want in wanted))
+
+    def _plan(self) -> tuple[list[Want], list[tuple[str, str, str | None]]]:
+        """(standbys to make, standbys to drop with their host's URL)."""
+        config = self.platform.config
+        with self.platform.db.transaction(write=False) as session:
+            now = self.platform.db.now(session)
+            alive = {a.id: a for a in session.execute(select(Agent).where(
+                Agent.last_heartbeat_at >= hosts.alive_since(now, config.agent_timeout_s),
+                Agent.draining_since.is_(None))).scalars()}
+            every = {a.id: a.url for a in session.execute(select(Agent)).scalars()}
+            rows = {(r.workspace_id, r.host_id): r for r in session.execute(
+                select(StandbyReplica)).scalars()}
+            wanted: list[Want] = []
+            keep: set[tuple[str, str]] = set()
+            for ws in session.execute(select(Workspace).where(
+                    Workspace.state == WorkspaceState.RUNNING,
+                    Workspace.gpu_placement.is_not(None))).scalars():
+                for host_id in _replica_hosts(ws):
+                    agent = alive.get(host_id)
+                    if agent is None:
+                        continue
+                    keep.add((ws.id, host_id))
+                    row = rows.get((ws.id, host_id))
+                    if row is None or row.boot_id != agent.boot_id:
+                        wanted.append(self._want(session, ws, agent))
+            # A workspace on its way to a host (its executor was lost, or it moves for
+            # a cell's GPUs) keeps its standbys: the placement promotes one.
+            placing = {ws.id for ws in session.execute(select(Workspace).where(
+                Workspace.id.in_({ws_id for ws_id, _ in rows}),
+                Workspace.desired_state == DesiredState.RUNNING,
+                Workspace.state.in_((WorkspaceState.RESUMING, WorkspaceState.SUSPENDING))
+            )).scalars()}
+            stale = [(ws_id, host_id, every.get(host_id) if host_id in alive else None)
+                     for (ws_id, host_id) in rows
+                     if (ws_id, host_id) not in keep
+                     and not (ws_id in placing and host_id in alive)]
+        return wanted, stale
+
+    @staticmethod
+    def _want(session: Any, ws: Workspace, agent: Agent) -> Want:
+        kernels = tuple((k.id, k.name) for k in session.execute(
+            select(Kernel).where(Kernel.workspace_id == ws.id)
+            .order_by(Kernel.created_at)).scalars())
+        project = session.get(Project, ws.project_id)
+        limits = project.kernel_limits if project is not None else None
+        network = project.kernel_network if project is not None else None
+        gpus = int((ws.resources or {}).get("gpus", 0) or 0)
+        return Want(ws.id, agent.id, agent.url, agent.boot_id, ws.generation, kernels,
+                    ws.snapshot, limits, network, gpus)
+
+    async def _make(self, want: Want) -> None:
+        try:
+            state = await self.platform.agents.keep_standby(
+                want.host_url, want.workspace_id, want.generation, list(want.kernels),
+                want.snapshot, want.limits, want.network, want.gpus)
+        except DomainError as exc:
+            log.warning("standby of %s on %s not made: %s", want.workspace_id, want.host_id,
+                        exc.detail)
+            return
+        await asyncio.to_thread(self._record, want.workspace_id, want.host_id, want.boot_id,
+                                state, True)
+        log.info("standby of %s kept on %s", want.workspace_id, want.host_id)
+
+    def _record(self, workspace_id: str, host_id: str, boot_id: str | None,
+                state: StandbyState, made: bool) -> None:
+        with self.platform.db.transaction() as session:
+            now = self.platform.db.now(session)
+            row = session.get(StandbyReplica, (workspace_id, host_id))
+            staged = {kid: k.model_dump(mode="json") for kid, k in state.kernels.items()}
+            if row is None:
+                if not made or boot_id is None:
+                    return  # dropped meanwhile
+                session.add(StandbyReplica(workspace_id=workspace_id, host_id=host_id,
+                                           boot_id=boot_id, staged=staged, synced_at=now,
+                                           created_at=now))
+                return
+            if made and boot_id is not None:
+                row.boot_id = boot_id
+            row.staged, row.synced_at = staged, now
+
+    def _forget(self, workspace_id: str, host_id: str) -> None:
+        self._syncs.pop((workspace_id, host_id), None)
+        with self.platform.db.transaction() as session:
+            session.execute(delete(StandbyReplica).where(
+                StandbyReplica.workspace_id == workspace_id, StandbyReplica.host_id == host_id))
+
+    # ------------------------------------------------------------ the syncs
+    async def checkpointed(self, workspace_id: str, generation: int, kernel_id: str,
+                           key: str, cell: int | None) -> None:
+        """A checkpoint was recorded: send it on to the workspace's standbys (in the
+        background: the agent that reported it is answered at once)."""
+        recorded = time.perf_counter()
+        targets = await asyncio.to_thread(self._targets, workspace_id)
+        for host_id, url in targets:
+            sync = self._syncs.get((workspace_id, host_id))
+            if sync is None or sync.generation != generation:
+                sync = self._syncs[(workspace_id, host_id)] = _Sync(generation)
+            sync.waiting[kernel_id] = (key, cell, recorded)
+            if sync.task is None or sync.task.done():
+                sync.task = asyncio.create_task(self._send(workspace_id, host_id, url, sync))
+
+    def _targets(self, workspace_id: str) -> list[tuple[str, str]]:
+        with self.platform.db.transaction(write=False) as session:
+            return [(row.host_id, url) for row, url in session.execute(
+                select(StandbyReplica, Agent.url).join(Agent, Agent.id == StandbyReplica.host_id)
+                .where(StandbyReplica.workspace_id == workspace_id)).tuples()]
+
+    async def _send(self, workspace_id: str, host_id: str, url: str, sync: _Sync) -> None:
+        while sync.waiting:
+            kernel_id = next(iter(sync.waiting))
+            key, cell, recorded = sync.waiting.pop(kernel_id)
+            try:
+                state = await self.platform.agents.stage(url, workspace_id, sync.generation,
+                                                         kernel_id, key, cell)
+            except DomainError as exc:
+                log.info("standby of %s on %s not synced: %s", workspace_id, host_id,
+                         exc.detail)
+                continue
+            STANDBY_SYNC.observe(time.perf_counter() - recorded)
+            await asyncio.to_thread(self._record, workspace_id, host_id, None, state, False)
+
+
+def _replica_hosts(ws: Workspace) -> list[str]:
+    placement = ws.gpu_placement or {}
+    return [h for h in placement.get("hosts") or [] if isinstance(h, str) and h != ws.host_id]
+
+
+def hosts_with_standbys(session: Any, workspace_id: str, snapshot: dict[str, Any] | None,
+                        now: datetime, timeout_s: float) -> list[str]:
+    """Hosts holding a standby of the workspace made in their current boot, those
+    with every kernel's latest checkpoint staged first."""
+    latest = {kid: k.get("key") for kid, k in ((snapshot or {}).get("kernels") or {}).items()}
+    found: list[tuple[bool, str]] = []
+    for row, agent in session.execute(
+            select(StandbyReplica, Agent).join(Agent, Agent.id == StandbyReplica.host_id)
+            .where(StandbyReplica.workspace_id == workspace_id)).tuples():
+        if row.boot_id != agent.boot_id or \
+                agent.last_heartbeat_at < hosts.alive_since(now, timeout_s):
+            continue
+        staged = {kid: k.get("key") for kid, k in (row.staged or {}).items()}
+        found.append((staged != latest, row.host_id))
+    return [host for _, host in sorted(found)]
