@@ -1,7 +1,9 @@
-"""Cell checkpoints, nbfleet's replica of a kernel: their latency, their cost, and moves.
+"""Cell checkpoints, the replica every kernel has: their latency, their cost, and moves.
 
-nbfleet keeps no hot standby kernel: a kernel's replica is its latest cell
-checkpoint in the blob store (``agent/checkpoints.py``). So what NotebookOS calls
+Every kernel's state is replicated by its cell checkpoints in the blob store
+(``agent/checkpoints.py``); only GPU workspaces under a replica policy also get warm
+standbys on other hosts (``control/standbys.py``), which this benchmark does not
+measure: its workspaces are CPU-only, on the default policy. So what NotebookOS calls
 state-sync latency is measured here as the **checkpoint latency**: from the cell's
 execute_reply, as the client receives it, to the kernel's state being durable in the
 blob store and recorded in the control plane's DB (the workspace row's
