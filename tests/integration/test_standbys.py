@@ -6,6 +6,7 @@ Standbys are a database record (``standby_replicas``): also run on PostgreSQL.""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -14,13 +15,13 @@ import pytest
 from sqlalchemy import select
 
 from nbfleet.db.tables import StandbyReplica
+from nbfleet.sdk.kernel_socket import KernelSocket
 from tests.conftest import fresh_database
 from tests.support.cluster import (
     Cluster,
     agent_names,
-    outcome,
-    run_cell,
     start_kernel,
+    token_of,
     wait_state,
     wait_until,
 )
@@ -41,6 +42,40 @@ def _workspace(client: httpx.Client, ws: str) -> dict[str, Any]:
     return body
 
 
+async def _lose_the_executor_mid_cell(cluster: Cluster, client: httpx.Client, ws: str,
+                                      kernel: str, executor: str,
+                                      other: str) -> dict[str, Any]:
+    sock = await KernelSocket.connect(cluster.channels_url(ws, kernel), token_of(client))
+    try:
+        for code in ("shared = [1]\npair = (shared, shared)\nx = 41", "y = x + 1"):
+            done = await sock.execute(code)
+            assert done.status == "ok", done.reply
+
+        def staged_cell() -> int | None:
+            cell = _standbys(cluster, ws).get(other, {}).get(kernel, {}).get("cell")
+            return cell if isinstance(cell, int) else None
+        # The last cell's checkpoint reaches the standby after its reply.
+        await asyncio.to_thread(wait_until, lambda: staged_cell() == 2, 30, 0.1,
+                                "cell 2 staged on the standby")
+        running = sock.message("execute_request", {
+            "code": "import time\ntime.sleep(120)\nz = 1", "silent": False,
+            "store_history": True, "user_expressions": {}, "allow_stdin": False,
+            "stop_on_error": True}, "shell")
+        await sock.send(running)
+        await asyncio.sleep(1.5)
+        cluster.kill_agent(agent_names(cluster)[executor])
+        lost = await sock.collect(running["header"]["msg_id"], timeout=30)
+        await asyncio.to_thread(
+            wait_until, lambda: _workspace(client, ws)["state"] == "running"
+            and _workspace(client, ws)["host_id"] == other, 90, 0.2,
+            "the workspace on the standby's host")
+        after = await sock.execute("print(x, y, pair[0] is pair[1])", timeout=120)
+        return {"lost": lost.reply, "after": after.stdout if after.status == "ok"
+                else after.reply}
+    finally:
+        await sock.close()
+
+
 def test_a_standby_is_kept_in_sync_and_promoted_when_the_executor_s_host_dies(
         tmp_path: Path) -> None:
     with fresh_database(tmp_path) as url:
@@ -59,35 +94,23 @@ def test_a_standby_is_kept_in_sync_and_promoted_when_the_executor_s_host_dies(
             wait_state(client, ws, "running")
             kernel = start_kernel(client, ws)
             executor = _workspace(client, ws)["host_id"]
-            names = agent_names(cluster)
-            other = next(h for h in names if h != executor)
+            other = next(h for h in agent_names(cluster) if h != executor)
 
             # A standby on the other replica host, made in the background.
             wait_until(lambda: other in _standbys(cluster, ws), 60, 0.2, "the standby")
             assert executor not in _standbys(cluster, ws)
 
-            assert outcome(run_cell(cluster, client, ws, kernel,
-                                    "shared = [1]\npair = (shared, shared)\nx = 41\n"
-                                    "print('set')")) == "set\n"
-            assert outcome(run_cell(cluster, client, ws, kernel,
-                                    "y = x + 1\nprint(y)")) == "42\n"
-
-            def staged_cell() -> int | None:
-                cell = _standbys(cluster, ws).get(other, {}).get(kernel, {}).get("cell")
-                return cell if isinstance(cell, int) else None
-            # The last cell's checkpoint reaches the standby after its reply.
-            wait_until(lambda: staged_cell() == 2, 30, 0.1, "cell 2 staged on the standby")
-
-            cluster.kill_agent(names[executor])
-            wait_until(lambda: _workspace(client, ws)["state"] == "running"
-                       and _workspace(client, ws)["host_id"] == other, 90, 0.2,
-                       "the workspace on the standby's host")
+            result = asyncio.run(_lose_the_executor_mid_cell(cluster, client, ws, kernel,
+                                                             executor, other))
+            # The running cell was answered at once; the notebook stayed connected, and
+            # its next cell ran on the promoted standby with the last cell's state.
+            assert result["lost"]["status"] == "error", result
+            assert result["lost"]["ename"] == "HostLost", result
+            assert result["after"] == "41 42 True\n", result
             restore = _workspace(client, ws)["restore"]
             assert restore["kernels"][kernel]["path"] == "standby", restore
-            assert restore["host_lost"]["kernels"][kernel]["as_of_cell"] == 2, restore
-            result = run_cell(cluster, client, ws, kernel,
-                              "print(x, y, pair[0] is pair[1])")
-            assert outcome(result) == "41 42 True\n", result
+            facts = restore["host_lost"]["kernels"][kernel]
+            assert (facts["as_of_cell"], facts["interrupted"]) == (2, 1), facts
             # Promoted: that host is the executor now, and holds no standby of it.
             wait_until(lambda: other not in _standbys(cluster, ws), 30, 0.2,
                        "the promoted standby's record dropped")

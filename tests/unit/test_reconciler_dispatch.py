@@ -36,6 +36,7 @@ def test_a_tick_starts_new_work_without_waiting_for_the_last(
     async def main() -> None:
         wakes: list[bool] = []
         platform = SimpleNamespace(db=None, fleet=FakeFleet(), instance_id="ctl_t",
+                                   standbys=SimpleNamespace(kick=lambda: None),
                                    config=SimpleNamespace(lease_ttl_s=10.0),
                                    wake=lambda: wakes.append(True))
         monkeypatch.setattr(reconciler_module.leases, "acquire", lambda *args: 7)
@@ -129,6 +130,7 @@ def test_a_gpu_placement_is_never_chosen_while_the_fleet_model_is_rebuilt(
                 return "placement"
 
         platform = SimpleNamespace(db=None, fleet=RebuildingFleet(), instance_id="ctl_t",
+                                   standbys=SimpleNamespace(kick=lambda: None),
                                    config=SimpleNamespace(lease_ttl_s=10.0), wake=lambda: None,
                                    notify_changed=lambda *args: None)
         monkeypatch.setattr(reconciler_module.leases, "acquire", lambda *args: 7)
@@ -152,4 +154,26 @@ def test_a_gpu_placement_is_never_chosen_while_the_fleet_model_is_rebuilt(
         await asyncio.wait_for(asyncio.gather(duties, placing), 1.0)
         assert events == ["rebuild starts", "rebuild ends", "placed", "recorded"]
 
+    asyncio.run(main())
+
+
+def test_a_tick_that_skipped_the_duties_comes_back_for_them_soon(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wake-up within DUTIES_EVERY_S of the last duties skips them (a burst of
+    requests must not renew the lease dozens of times a second); whatever woke it
+    (a drain) is then seen to within DUTIES_EVERY_S, not after a whole interval
+    (it took a second, measured by bench/replicas.py)."""
+    async def main() -> None:
+        platform = SimpleNamespace(db=None, fleet=FakeFleet(), instance_id="ctl_t",
+                                   standbys=SimpleNamespace(kick=lambda: None),
+                                   config=SimpleNamespace(lease_ttl_s=10.0),
+                                   wake=lambda: None)
+        monkeypatch.setattr(reconciler_module.leases, "acquire", lambda *args: 7)
+        rec = Reconciler(platform)  # type: ignore[arg-type]
+        monkeypatch.setattr(rec, "_mark_dead_hosts", lambda: None)
+        monkeypatch.setattr(rec, "_due", lambda: [])
+        await rec.tick()  # the duties ran
+        assert rec._next_wait(1.0) == 1.0
+        await rec.tick()  # woken again at once: skipped
+        assert 0.0 < rec._next_wait(1.0) <= reconciler_module.DUTIES_EVERY_S
     asyncio.run(main())

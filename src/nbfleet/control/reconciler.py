@@ -93,6 +93,8 @@ class Reconciler:
         #: Due again while their task ran: looked at again as soon as it ends.
         self._again: set[str] = set()
         self._duties_at = float("-inf")
+        #: The last tick was woken too soon after the duties to run them again.
+        self._duties_skipped = False
 
     async def run_forever(self) -> None:
         wake = self.platform.bind_loop()
@@ -105,18 +107,28 @@ class Reconciler:
                 except Exception:
                     log.exception("reconciler tick failed")
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(wake.wait(), interval)
+                    await asyncio.wait_for(wake.wait(), self._next_wait(interval))
         finally:
             running = list(self._running.values())
             for task in running:
                 task.cancel()
             await asyncio.gather(*running, return_exceptions=True)
 
+    def _next_wait(self, interval: float) -> float:
+        """Until the next tick: ``interval``, or sooner when this tick was woken but
+        skipped the duties (run at most every DUTIES_EVERY_S): what woke it (a drain,
+        a placement change) may need them, and waiting a whole interval made a drain
+        start up to a second late."""
+        if not self._duties_skipped:
+            return interval
+        return min(interval, max(0.01, DUTIES_EVERY_S - (time.monotonic() - self._duties_at)))
+
     async def tick(self) -> None:
         """The lease and the fleet's duties, then a task for each newly due workspace.
         A burst of requests wakes the loop dozens of times a second: the duties (two
         writes among them) run at most every DUTIES_EVERY_S, the dispatch each time."""
         stale = self.token is None or time.monotonic() - self._duties_at >= DUTIES_EVERY_S
+        self._duties_skipped = not stale
         if stale and not await self._duties():
             return
         due = await asyncio.to_thread(self._due)
