@@ -73,6 +73,7 @@ from harness import (
     admin_headers,
     channels_url,
     emit,
+    grant_credits,
     nbfleet_up,
     percentile,
     stderr,
@@ -90,6 +91,13 @@ BIG = "big = os.urandom(100 << 20)"
 MS = 1000.0
 #: Pause between undraining a host and draining the other.
 SETTLE_S = 1.5
+MICRO_CREDITS = 1_000_000
+#: The states of the replica platform's moves: (set up, checked after each move).
+STANDBY_MOVE_STATES = {
+    "small": ("globals().pop('big', None)\nv = 41", "print(v)"),
+    "100mb": (f"import os, hashlib\n{BIG}\ndigest = hashlib.sha256(big).hexdigest()",
+              "print(hashlib.sha256(big).hexdigest())"),
+}
 
 
 @dataclass
@@ -421,19 +429,290 @@ async def moves(on: Side, poller: Poller, count: int) -> dict[str, float]:
                     here = landed
             await on.sock.close()
     out: dict[str, float] = {"move_count": float(count)}
-    for kind, took in times.items():
-        out[f"move_{kind}_p50_ms"] = statistics.median(took) * MS
-        out[f"move_{kind}_max_ms"] = max(took) * MS
+    for kind, spent in times.items():
+        out[f"move_{kind}_p50_ms"] = statistics.median(spent) * MS
+        out[f"move_{kind}_max_ms"] = max(spent) * MS
         # The drain's turn to be acted on (the fleet's duties), then the move itself.
         out[f"move_{kind}_reaction_p50_ms"] = statistics.median(reactions[kind]) * MS
         out[f"move_{kind}_moving_p50_ms"] = statistics.median(
-            t - r for t, r in zip(took, reactions[kind], strict=True)) * MS
+            t - r for t, r in zip(spent, reactions[kind], strict=True)) * MS
         out[f"move_{kind}_state_ok"] = float(kept[kind])
     return out
 
 
+# ------------------------------------------------------------------ 6, 7: standbys
+def standby_rows(db: Path, workspace: str) -> dict[str, dict[str, Any]]:
+    """The workspace's standby rows: host -> staged ``{kernel: {"key", "cell"}}``."""
+    with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True,
+                                            timeout=5)) as conn:
+        return {host: json.loads(staged) if staged else {} for host, staged in conn.execute(
+            "SELECT host_id, staged FROM standby_replicas WHERE workspace_id = ?",
+            (workspace,))}
+
+
+def _staged(conn: sqlite3.Connection, side: Side, host: str) -> dict[str, Any] | None:
+    row = conn.execute("SELECT staged FROM standby_replicas WHERE workspace_id = ? "
+                       "AND host_id = ?", (side.workspace, host)).fetchone()
+    if row is None or not row[0]:
+        return None
+    entry = json.loads(row[0]).get(side.kernel)
+    return entry if isinstance(entry, dict) else None
+
+
+def _cell_of(entry: dict[str, Any] | None) -> int:
+    cell = (entry or {}).get("cell")
+    return cell if isinstance(cell, int) else -1
+
+
+class SyncPoller(Poller):
+    """Polls, in one loop, both the checkpoint's record and the standby's row."""
+
+    def wait_both(self, side: Side, host: str, count: int) -> tuple[float, float]:
+        """The perf_counter times the DB first showed cell ``count`` checkpointed and
+        staged on ``host``'s standby."""
+        with contextlib.closing(sqlite3.connect(f"file:{side.db}?mode=ro", uri=True,
+                                                timeout=5)) as conn:
+            deadline = time.perf_counter() + GIVE_UP_S
+            durable: float | None = None
+            staged: float | None = None
+            last: float | None = None
+            while True:
+                entry = _entry(conn, side) if durable is None else None
+                standby = _staged(conn, side, host) if staged is None else None
+                now = time.perf_counter()
+                if last is not None:
+                    self.gaps.append(now - last)
+                last = now
+                if durable is None and _cell_of(entry) >= count:
+                    durable = now
+                if staged is None and _cell_of(standby) >= count:
+                    staged = now
+                if durable is not None and staged is not None:
+                    return durable, staged
+                if now > deadline:
+                    raise TimeoutError(
+                        f"cell {count} not {'staged' if durable else 'checkpointed'} after "
+                        f"{GIVE_UP_S:.0f} s (checkpoint {entry}, standby on {host} {standby}; "
+                        f"rows {standby_rows(side.db, side.workspace)})")
+                time.sleep(self.poll_s)
+
+
+async def workspace_body(http: httpx.AsyncClient, side: Side) -> dict[str, Any]:
+    body: dict[str, Any] = (await http.get(f"/v1/workspaces/{side.workspace}")).json()
+    return body
+
+
+async def standby_ready(http: httpx.AsyncClient, side: Side, host: str,
+                        timeout: float = GIVE_UP_S) -> bool:
+    """Until ``host``'s standby has the kernel's latest checkpoint staged (the one
+    the workspace's snapshot names); False after ``timeout``."""
+    deadline = time.perf_counter() + timeout
+    while time.perf_counter() < deadline:
+        key = ((await asyncio.to_thread(recorded_entry, side)) or {}).get("key")
+        staged = (await asyncio.to_thread(standby_rows, side.db, side.workspace)).get(host)
+        if key and ((staged or {}).get(side.kernel) or {}).get("key") == key:
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+async def sync_latency(side: Side, host: str, poller: SyncPoller, samples: int, code: str,
+                       tag: str) -> dict[str, float]:
+    """``samples`` cells one at a time; the checkpoint and the standby's staging of each,
+    from its execute_reply: figures ``standby_sync_<tag>_*``, ``standby_checkpoint_<tag>_*``
+    and ``standby_staging_<tag>_*`` (the standby after the checkpoint)."""
+    poller.gaps.clear()
+    synced, durable, staging = [], [], []
+    for index in range(samples):
+        _, received, count = await cell(side.sock, code.format(i=index))
+        done, staged = await asyncio.to_thread(poller.wait_both, side, host, count)
+        synced.append(staged - received)
+        durable.append(done - received)
+        staging.append(staged - done)
+        if code == BIG:
+            stderr.print(f"standby, 100 MB cell {index + 1}/{samples}: checkpoint "
+                         f"{durable[-1] * MS:.0f} ms, staged {synced[-1] * MS:.0f} ms")
+    out = {f"standby_sync_{tag}_samples": float(samples),
+           f"standby_poll_period_mean_{tag}_ms": statistics.mean(poller.gaps) * MS}
+    for name, lags in (("sync", synced), ("checkpoint", durable), ("staging", staging)):
+        out[f"standby_{name}_{tag}_p50_ms"] = statistics.median(lags) * MS
+        out[f"standby_{name}_{tag}_p99_ms"] = percentile(lags, 99) * MS
+        out[f"standby_{name}_{tag}_max_ms"] = max(lags) * MS
+    return out
+
+
+async def replica_moves(http: httpx.AsyncClient, side: Side, hosts: tuple[str, str],
+                        count: int, label: str, states: dict[str, tuple[str, str]],
+                        poller: Poller, gpu: bool) -> dict[str, float]:
+    """``count`` drain moves back and forth of ``side``'s workspace per state; figures
+    ``move_<label>_<state>_*``. For a GPU workspace, each move waits first for the
+    standby on the target to hold the latest checkpoint (``_standby_wait_``), and the
+    restore's path (``_promotions``: how many were "standby") and seconds are read."""
+    admin = admin_headers(side.home)
+    other = {hosts[0]: hosts[1], hosts[1]: hosts[0]}
+    out: dict[str, float] = {}
+    here = str((await workspace_body(http, side))["host_id"])
+    for kind, (setup, check) in states.items():
+        await checkpointed(side, setup, poller)
+        expected = await printed(side.sock, check)
+        took_all, reacted, restored, waited = [], [], [], []
+        promoted, kept = 0, True
+        for index in range(count):
+            there = other[here]
+            undrained = await http.delete(f"/v1/admin/hosts/{there}/drain", headers=admin)
+            if undrained.status_code != 200:
+                raise RuntimeError(f"undrain of {there}: {undrained.status_code} "
+                                   f"{undrained.text}")
+            waited_from = time.perf_counter()
+            if gpu and not await standby_ready(http, side, there):
+                stderr.print(f"[{label}] no standby with the latest checkpoint on {there} "
+                             f"after {GIVE_UP_S:.0f} s: rows "
+                             f"{standby_rows(side.db, side.workspace)}", markup=False)
+            waited.append(time.perf_counter() - waited_from)
+            await side.sock.close()
+            await asyncio.sleep(max(0.0, SETTLE_S - waited[-1]))
+            took, started, landed, seen = await move(http, side, here)
+            body = await workspace_body(http, side)
+            report = (((body.get("restore") or {}).get("kernels") or {}).get(side.kernel)
+                      or {})
+            path = report.get("path")
+            promoted += path == "standby"
+            if isinstance(report.get("seconds"), (int, float)):
+                restored.append(float(report["seconds"]))
+            stderr.print(f"[{label}] move {index + 1}/{count} ({kind} state): "
+                         f"{took * MS:.0f} ms, {here} -> {landed}, restore path {path} "
+                         f"in {report.get('seconds')} s, states {seen}", markup=False)
+            if gpu and path != "standby":
+                stderr.print(f"[{label}] NOT promoted: restore {body.get('restore')}",
+                             markup=False)
+            side.sock = await KernelSocket.connect(
+                channels_url(side.url, side.workspace, side.kernel), side.token)
+            got = await printed(side.sock, check)
+            kept = kept and got == expected and landed == there
+            took_all.append(took)
+            reacted.append(started)
+            here = landed
+        name = f"move_{label}_{kind}"
+        out[f"{name}_p50_ms"] = statistics.median(took_all) * MS
+        out[f"{name}_max_ms"] = max(took_all) * MS
+        out[f"{name}_reaction_p50_ms"] = statistics.median(reacted) * MS
+        out[f"{name}_moving_p50_ms"] = statistics.median(
+            t - r for t, r in zip(took_all, reacted, strict=True)) * MS
+        if restored:
+            out[f"{name}_restore_p50_ms"] = statistics.median(restored) * MS
+        out[f"{name}_restore_path_{'standby' if gpu else 'any'}"] = float(
+            promoted if gpu else len(took_all))
+        if gpu:
+            out[f"{name}_standby_wait_p50_ms"] = statistics.median(waited) * MS
+        out[f"{name}_state_ok"] = float(kept)
+    # Leave both hosts taking work.
+    for host in hosts:
+        await http.delete(f"/v1/admin/hosts/{host}/drain", headers=admin)
+    out[f"move_{label}_count"] = float(count)
+    return out
+
+
+async def standbys(args: argparse.Namespace, root: Path) -> dict[str, float]:
+    """A replica platform (``--policy nbfleet --replicas 2``) of two 1-GPU hosts: a GPU
+    workspace's standby sync latency and its moves (promotions), then a CPU
+    workspace's moves (cold: no standby) on the same platform."""
+    home = root / "replicas"
+    home.mkdir()
+    poller = SyncPoller(args.poll_ms / MS)
+    results: dict[str, float] = {}
+    with nbfleet_up(home, "--policy", "nbfleet", "--replicas", "2", "--gpus", "1xA100-80GB",
+                    "--idle-suspend", "0", "--warm-pool", "0") as url, \
+            extra_agent(url, home) as proc:
+        # The replica hosts are chosen at placement: both must be up before it.
+        await asyncio.to_thread(wait_for, lambda: len(agent_ids(url, home)) >= 2, proc,
+                                "the second agent")
+        first, second = agent_ids(url, home)[:2]
+        sock, kernel, workspace, token = await workspace_kernel(
+            url, home, name="gpu", resources={"gpus": 1, "gpu_types": ["A100-80GB"]})
+        await grant_credits(url, home, "gpu", 1000 * MICRO_CREDITS)
+        gpu = Side("gpu", url, home, sock, kernel, workspace, token)
+        async with httpx.AsyncClient(base_url=url, timeout=60.0,
+                                     headers={"Authorization": f"Bearer {token}"}) as http:
+            executor = str((await workspace_body(http, gpu))["host_id"])
+            standby_host = second if executor == first else first
+            await checkpointed(gpu, "import os", poller)
+            made = time.perf_counter()
+            if not await standby_ready(http, gpu, standby_host, 30.0):
+                rows = standby_rows(gpu.db, workspace)
+                if standby_host not in rows or kernel in rows[standby_host]:
+                    raise RuntimeError(f"no standby of the kernel on {standby_host} after "
+                                       f"30 s: rows {rows}")
+                # The standby was made before the kernel started, and is never given it:
+                # a suspend drops it, the resume makes it again with the kernel.
+                stderr.print(f"the standby on {standby_host} has no kernel {kernel} "
+                             f"(made before it started): rows {rows}; suspending and "
+                             "resuming the workspace", markup=False)
+                results["standby_made_without_the_kernel"] = 1.0
+                await gpu.sock.close()
+                for verb in ("suspend", "resume"):
+                    done = await http.post(f"/v1/workspaces/{workspace}/{verb}",
+                                           params={"wait": 60})
+                    if done.status_code != 200:
+                        raise RuntimeError(f"{verb}: {done.status_code} {done.text}")
+                gpu.sock = await KernelSocket.connect(channels_url(url, workspace, kernel),
+                                                      token)
+                executor = str((await workspace_body(http, gpu))["host_id"])
+                standby_host = second if executor == first else first
+                await checkpointed(gpu, "import os", poller)
+                made = time.perf_counter()
+                if not await standby_ready(http, gpu, standby_host, 60.0):
+                    raise RuntimeError(f"no standby of the kernel on {standby_host} after "
+                                       f"the resume: rows {standby_rows(gpu.db, workspace)}")
+            stderr.print(f"standby on {standby_host} (executor {executor}) ready "
+                         f"{(time.perf_counter() - made) * MS:.0f} ms after the first "
+                         "checkpoint")
+            for index in range(3):  # warm-up
+                await checkpointed(gpu, f"warm_{index} = {index}", poller)
+            stderr.print("standby sync latency, small cells")
+            results.update(await sync_latency(gpu, standby_host, poller, args.samples,
+                                              "x_{i} = {i}", "small"))
+            stderr.print("standby sync latency, 100 MB cells")
+            results.update(await sync_latency(gpu, standby_host, poller, args.big_samples,
+                                              BIG, "100mb"))
+            if args.standby_moves:
+                stderr.print("moves of the GPU workspace (standby promotions)")
+                results.update(await replica_moves(http, gpu, (first, second),
+                                                   args.standby_moves, "gpu_standby",
+                                                   STANDBY_MOVE_STATES, poller, True))
+            await gpu.sock.close()
+            if args.standby_moves:
+                # Out of the way of the CPU workspace's moves.
+                suspended = await http.post(f"/v1/workspaces/{workspace}/suspend",
+                                            params={"wait": 60})
+                if suspended.status_code != 200:
+                    raise RuntimeError(f"suspend: {suspended.status_code} {suspended.text}")
+        if args.standby_moves:
+            sock, kernel, workspace, token = await workspace_kernel(url, home, name="cpu")
+            cpu = Side("cpu", url, home, sock, kernel, workspace, token)
+            async with httpx.AsyncClient(base_url=url, timeout=60.0,
+                                         headers={"Authorization": f"Bearer {token}"}) as http:
+                stderr.print("moves of a CPU workspace (cold) on the same platform")
+                results.update(await replica_moves(http, cpu, (first, second),
+                                                   args.standby_moves, "cpu_cold",
+                                                   STANDBY_MOVE_STATES, poller, False))
+            await cpu.sock.close()
+    return results
+
+
 # ------------------------------------------------------------------ the whole run
 async def run(args: argparse.Namespace, root: Path) -> dict[str, float]:
+    results: dict[str, float] = {}
+    if not args.only_standby:
+        results.update(await checkpoints(args, root))
+    if args.standby:
+        # After the checkpoint platforms are stopped: the replica platform runs alone.
+        stderr.print("standby replicas")
+        results.update(await standbys(args, root))
+    return results
+
+
+async def checkpoints(args: argparse.Namespace, root: Path) -> dict[str, float]:
+    """Parts 1 to 5: the checkpoint platforms, ON and OFF."""
     poller = Poller(args.poll_ms / MS)
     common = ("--idle-suspend", "0", "--warm-pool", "0")
     (root / "on").mkdir()
@@ -468,6 +747,44 @@ async def run(args: argparse.Namespace, root: Path) -> dict[str, float]:
 
 
 def verdict(results: dict[str, float], args: argparse.Namespace) -> str:
+    parts = checkpoint_verdict(results, args) if "checkpoint_small_p50_ms" in results else []
+    if "standby_sync_small_p50_ms" in results:
+        parts += standby_verdict(results)
+    return f"{BENCH}: " + " | ".join(parts)
+
+
+def standby_verdict(results: dict[str, float]) -> list[str]:
+    parts = []
+    for tag, label in (("small", "small cell"), ("100mb", "100 MB cell")):
+        p50, p99 = results[f"standby_sync_{tag}_p50_ms"], results[f"standby_sync_{tag}_p99_ms"]
+        text = (f"standby sync ({label}; execute_reply -> staged on the standby) p50 "
+                f"{p50:.1f} ms, p99 {p99:.1f} ms (checkpoint "
+                f"{results[f'standby_checkpoint_{tag}_p50_ms']:.1f} ms + staging "
+                f"{results[f'standby_staging_{tag}_p50_ms']:.1f} ms at the median)")
+        if tag == "small":
+            text += (f" vs NotebookOS {NOTEBOOKOS_P50_MS:g}/{NOTEBOOKOS_P99_MS:g} ms: p50 "
+                     f"{'below' if p50 < NOTEBOOKOS_P50_MS else 'NOT below'}, p99 "
+                     f"{'below' if p99 < NOTEBOOKOS_P99_MS else 'NOT below'}")
+        parts.append(text)
+    if "move_gpu_standby_count" in results:
+        count = int(results["move_gpu_standby_count"])
+        for kind in STANDBY_MOVE_STATES:
+            gpu, cpu = f"move_gpu_standby_{kind}", f"move_cpu_cold_{kind}"
+            promoted = int(results[f"{gpu}_restore_path_standby"])
+            kept = results[f"{gpu}_state_ok"] and results.get(f"{cpu}_state_ok", 1.0)
+            parts.append(
+                f"move ({kind} state) GPU by promotion p50 {results[f'{gpu}_p50_ms']:.0f} ms "
+                f"({results[f'{gpu}_moving_p50_ms']:.0f} ms once started, restore "
+                f"{results.get(f'{gpu}_restore_p50_ms', float('nan')):.0f} ms; "
+                f"{promoted}/{count} promoted) vs CPU cold "
+                f"{results.get(f'{cpu}_p50_ms', float('nan')):.0f} ms "
+                f"({results.get(f'{cpu}_moving_p50_ms', float('nan')):.0f} ms once started, "
+                f"restore {results.get(f'{cpu}_restore_p50_ms', float('nan')):.0f} ms); "
+                f"state {'kept' if kept else 'NOT kept'}")
+    return parts
+
+
+def checkpoint_verdict(results: dict[str, float], args: argparse.Namespace) -> list[str]:
     parts = []
     for namespace, label in (("", "small cell"), ("_ns100mb", "small cell, 100 MB held")):
         p50 = results[f"checkpoint_small{namespace}_p50_ms"]
@@ -492,7 +809,7 @@ def verdict(results: dict[str, float], args: argparse.Namespace) -> str:
                      f"{results['move_100mb_p50_ms']:.0f} ms with 100 MB "
                      f"({results['move_100mb_moving_p50_ms']:.0f} ms once started; "
                      f"state {'kept' if kept else 'NOT kept'})")
-    return f"{BENCH}: " + " | ".join(parts)
+    return parts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -511,7 +828,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--moves", type=int, default=3,
                         help="moves timed per state, back and forth (0: none; "
                              "default: %(default)s)")
+    parser.add_argument("--no-standby", dest="standby", action="store_false",
+                        help="skip the standby replicas (parts 6 and 7)")
+    parser.add_argument("--only-standby", action="store_true",
+                        help="only the standby replicas (parts 6 and 7)")
+    parser.add_argument("--standby-moves", type=int, default=2,
+                        help="moves timed per state on the replica platform, of the GPU "
+                             "workspace and of a CPU one (0: none; default: %(default)s)")
     args = parser.parse_args(argv)
+    if args.only_standby and not args.standby:
+        parser.error("--only-standby and --no-standby exclude each other")
+    if args.standby_moves < 0:
+        parser.error("need --standby-moves >= 0")
     if args.samples < 2 or args.big_samples < 2 or args.block < 1:
         parser.error("need --samples >= 2, --big-samples >= 2 and --block >= 1")
     if args.think_ms < 0 or args.poll_ms <= 0 or args.moves < 0:

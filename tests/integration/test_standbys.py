@@ -116,3 +116,34 @@ def test_a_standby_is_kept_in_sync_and_promoted_when_the_executor_s_host_dies(
                        "the promoted standby's record dropped")
         finally:
             cluster.stop()
+
+
+def test_a_standby_whose_host_dies_is_made_again_on_another_host(tmp_path: Path) -> None:
+    with fresh_database(tmp_path) as url:
+        cluster = Cluster(tmp_path, url, gpus="1xA100-80GB")
+        try:
+            cluster.start_control(args=("--policy", "nbfleet", "--replicas", "2"))
+            for name in ("agent1", "agent2", "agent3"):
+                cluster.start_agent(name)
+            tenant = new_tenant(cluster)
+            client = tenant.client
+            created = client.post("/v1/workspaces", json={"name": "r", "resources": GPU})
+            assert created.status_code == 201, created.text
+            ws = created.json()["id"]
+            wait_state(client, ws, "running")
+            start_kernel(client, ws)
+            executor = _workspace(client, ws)["host_id"]
+            wait_until(lambda: len(_standbys(cluster, ws)) == 1, 60, 0.2, "the standby")
+            (first,) = _standbys(cluster, ws)
+            spare = next(h for h in agent_names(cluster) if h not in (executor, first))
+
+            cluster.kill_agent(agent_names(cluster)[first])
+            # Once the host is declared dead (10 s without heartbeats), the policy puts
+            # the kernel's replica on the spare host, and a standby is made there.
+            wait_until(lambda: set(_standbys(cluster, ws)) == {spare}, 90, 0.5,
+                       "the standby made again on the spare host")
+            # The executor was not disturbed.
+            assert _workspace(client, ws)["host_id"] == executor
+            assert _workspace(client, ws)["state"] == "running"
+        finally:
+            cluster.stop()

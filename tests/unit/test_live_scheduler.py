@@ -146,3 +146,16 @@ async def test_every_decision_is_logged_in_order() -> None:
     await live.acquire("k1/a", "ws1", 1)
     started = [e.decision for e in live.log if isinstance(e.decision, Started)]
     assert [s.task_id for s in started] == ["k1/a"]
+
+
+def test_a_rebuild_gives_a_kernel_that_lost_a_replica_host_a_new_one() -> None:
+    """Its placement names a host that is gone (the rebuild follows the host's
+    loss): the kernel keeps the replica it has and gets one on a live host, where
+    the control plane then makes its standby."""
+    config = PolicyConfig(host_shape=ONE_A100, replicas=2, prewarm_per_host=0,
+                          autoscaler=AutoscalerConfig(max_hosts=3))
+    live = LiveScheduler(make_policy("nbfleet", config), clock=Clock())
+    live.rebuild([("h0", ONE_A100), ("h2", ONE_A100)],
+                 [KernelFacts("ws1", A100, ("h0", "h1"))], [])
+    assert live.policy.kernels["ws1"].hosts == ["h0", "h2"]
+    assert live.open_kernel("ws1", A100) == ("h0", "h2")

@@ -221,6 +221,25 @@ def test_notebookos_places_three_replicas_on_distinct_hosts_with_most_idle_gpus(
     assert a.subscriptions == {}
 
 
+@pytest.mark.parametrize("name", ["notebookos", "nbfleet"])
+def test_a_replica_lost_with_its_host_is_placed_again_on_another_host(name: str) -> None:
+    """The live platform keeps a standby on each replica host: one that died is
+    made again where the policy puts the kernel's new replica."""
+    p = make_policy(name, no_prewarm(2))
+    fleet(p, host("a"), host("b"), host("c"))
+    (placed,) = only(open_k(p, "k1", 1), Placed)
+    assert isinstance(placed, Placed) and len(placed.host_ids) == 2
+    spare = next(h for h in ("a", "b", "c") if h not in placed.host_ids)
+    lost, kept = placed.host_ids
+    out = p.lose_host(lost, 5.0)
+    assert Placed("k1", (kept, spare)) in out
+    assert p.kernels["k1"].hosts == [kept, spare]
+    assert p.hosts[spare].subscriptions == {"k1": ResourceSpec(gpus=1)}
+    # With nowhere left to go, the kernel keeps the replica it has.
+    assert only(p.lose_host(spare, 6.0), Placed) == []
+    assert p.kernels["k1"].hosts == [kept] and p.kernels["k1"].placed
+
+
 def test_notebookos_waits_for_three_hosts() -> None:
     p = make_policy("notebookos", no_prewarm(3))
     fleet(p, host("a"), host("b"))

@@ -100,7 +100,12 @@ class StandbyKeeper:
             log.exception("standby pass failed")
 
     async def run_pass(self) -> None:
-        wanted, stale = await asyncio.to_thread(self._plan)
+        # The scheduler's model, read here on the event loop that owns it: a replica
+        # the policy moved or put on a new host since the placement is followed.
+        scheduler = self.platform.fleet.scheduler
+        model = (None if scheduler is None else
+                 {kid: list(k.hosts) for kid, k in scheduler.policy.kernels.items()})
+        wanted, stale = await asyncio.to_thread(self._plan, model)
         for workspace_id, host_id, url in stale:
             if url is not None:
                 with contextlib.suppress(DomainError):
@@ -113,8 +118,10 @@ class StandbyKeeper:
                 await self._make(want)
         await asyncio.gather(*(make(want) for want in wanted))
 
-    def _plan(self) -> tuple[list[Want], list[tuple[str, str, str | None]]]:
-        """(standbys to make, standbys to drop with their host's URL)."""
+    def _plan(self, model: dict[str, list[str]] | None
+              ) -> tuple[list[Want], list[tuple[str, str, str | None]]]:
+        """(standbys to make, standbys to drop with their host's URL); ``model``:
+        each kernel's replica hosts in the scheduler (None: as placed)."""
         config = self.platform.config
         with self.platform.db.transaction(write=False) as session:
             now = self.platform.db.now(session)
@@ -129,7 +136,7 @@ class StandbyKeeper:
             for ws in session.execute(select(Workspace).where(
                     Workspace.state == WorkspaceState.RUNNING,
                     Workspace.gpu_placement.is_not(None))).scalars():
-                for host_id in _replica_hosts(ws):
+                for host_id in _replica_hosts(ws, model):
                     agent = alive.get(host_id)
                     if agent is None:
                         continue
@@ -234,9 +241,12 @@ class StandbyKeeper:
             await asyncio.to_thread(self._record, workspace_id, host_id, None, state, False)
 
 
-def _replica_hosts(ws: Workspace) -> list[str]:
-    placement = ws.gpu_placement or {}
-    return [h for h in placement.get("hosts") or [] if isinstance(h, str) and h != ws.host_id]
+def _replica_hosts(ws: Workspace, model: dict[str, list[str]] | None) -> list[str]:
+    if model is not None and ws.id in model:
+        hosts: list[object] = list(model[ws.id])
+    else:
+        hosts = list((ws.gpu_placement or {}).get("hosts") or [])
+    return [h for h in hosts if isinstance(h, str) and h != ws.host_id]
 
 
 def hosts_with_standbys(session: Any, workspace_id: str, snapshot: dict[str, Any] | None,

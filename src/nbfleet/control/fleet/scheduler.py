@@ -347,7 +347,9 @@ class LiveScheduler:
                 continue
             self._bound(started, self.now())
             self.delivered(cell.task_id)  # an agent reported it: it is in its kernel
-        self._apply(prewarms)  # the hosts' warm pools, as the policy wants them
+        # The hosts' warm pools, as the policy wants them, and a replica for each
+        # one a kernel lost with a host that is gone (its standby is made there).
+        self._apply(prewarms + policy.fill_replicas())
         return refused
 
     # ----------------------------------------------------------------- effects

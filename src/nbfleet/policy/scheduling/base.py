@@ -242,6 +242,11 @@ class FleetPolicy:
                 self.waiting_kernels.append(kernel.id)
         return self._settle(now) + self._scale_for_backlog(now)
 
+    def fill_replicas(self) -> list[Decision]:
+        """Give kernels with fewer replicas than the policy keeps (their hosts are
+        gone) new ones where they fit; none for policies without replicas."""
+        return []
+
     def holds_hosts(self, kernel: KernelState) -> bool:
         """Whether this policy's placed kernels live on hosts (not so for ``batch``
         and ``lcp``, whose sessions own nothing between tasks)."""

@@ -124,6 +124,37 @@ class NotebookOS(FleetPolicy):
             return out
         return None
 
+    # ------------------------------------------------------------ host loss
+    def lose_host(self, host_id: str, now: float) -> list[Decision]:
+        """As the base class, then each kernel that lost a replica with the host gets
+        one on another host where one fits (its standby is made there)."""
+        lost = {k.id for k in self.kernels.values() if host_id in k.hosts}
+        decisions = super().lose_host(host_id, now)
+        return self._replace_replicas(sorted(lost)) + decisions
+
+    def fill_replicas(self) -> list[Decision]:
+        return self._replace_replicas(sorted(self.kernels))
+
+    def _replace_replicas(self, kernel_ids: list[str]) -> list[Decision]:
+        out: list[Decision] = []
+        for kernel_id in kernel_ids:
+            kernel = self.kernels.get(kernel_id)
+            if kernel is None or not kernel.placed or not kernel.hosts:
+                continue  # gone, or waiting to be placed afresh
+            missing = self.config.replicas - len(kernel.hosts)
+            gpus = kernel.spec.gpus
+            limit = self.sr_limit(gpus * max(missing, 0))
+            fitting = sorted((h for h in self.hosts.values()
+                              if h.id not in kernel.hosts and fits_shape(h, kernel.spec)
+                              and self._sr_after(h, gpus) <= limit + 1e-9),
+                             key=lambda h: (-len(h.free_gpus()), self._sr_after(h, 0), h.id))
+            for host in fitting[:max(missing, 0)]:
+                host.subscribe(kernel.id, kernel.spec)
+                kernel.hosts.append(host.id)
+            if fitting and missing > 0:
+                out.append(Placed(kernel.id, tuple(kernel.hosts)))
+        return out
+
     def _move_replica(self, kernel: KernelState, source: Host, target: Host) -> None:
         source.unsubscribe(kernel.id)
         target.subscribe(kernel.id, kernel.spec)
