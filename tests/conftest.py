@@ -30,7 +30,7 @@ DB_AGNOSTIC_MODULES = frozenset({
     "test_metrics", "test_smoke", "test_embedded", "test_cli", "test_cli_output",
     "test_api_docs", "test_file_sync", "test_jupyter_protocol", "test_lab_server",
     "test_kernel_identity", "test_gateway", "test_cell_bindings_agent", "test_job_runner",
-    "test_quotas", "test_kernel_escape", "test_blobs_s3",
+    "test_quotas", "test_kernel_escape", "test_blobs_s3", "test_two_fleets_one_machine",
 })
 
 

@@ -4,8 +4,8 @@ The agent that runs a kernel is killed with kill -9 while a cell runs. The kerne
 comes back on the other host with every variable of the last completed cell (its
 checkpoint) and every file written more than one RPO before the kill; the cell that
 was running is answered with ``HostLost`` at once and never run again; the notebook
-and the restore summary say what happened. Also on PostgreSQL: the checkpoint's
-fencing is a database decision.
+and the restore summary say what happened. The checkpoint's fencing, a database
+decision, also runs on PostgreSQL.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from nbfleet.sdk.kernel_socket import KernelSocket
 from tests.conftest import running_cluster
@@ -110,6 +111,7 @@ async def _check(cluster: Cluster, client: httpx.Client, ws: str, kernel: str,
         await sock.close()
 
 
+@pytest.mark.db_agnostic  # the fencing test below is what the database decides
 def test_a_killed_host_s_kernel_continues_elsewhere_from_its_last_cell(
         tmp_path: Path) -> None:
     with running_cluster(tmp_path, agent_args=("--file-sync-interval", str(SYNC_S))) as cluster:
