@@ -1,0 +1,108 @@
+"""The agent's cell checkpoints: coalesced, never ahead of a queued cell, and the
+manifest of a checkpoint the control plane replaced (or refused) deleted."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from nbfleet.agent import checkpoints, statesync
+from nbfleet.agent.checkpoints import Checkpointer, Done
+from nbfleet.protocol.checkpoints import CheckpointRecorded
+
+
+class FakeKernel:
+    """What the checkpointer reads of a kernel: its queue, and a flush that takes
+    ``flush_s`` and reports the next execution count."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.id, self.workspace_id = "k1", "ws1"
+        self.state_dir = str(state_dir)
+        (state_dir / "manifest.json").write_text("{}")
+        self.execution_state = "idle"
+        self.cells_pending: set[str] = set()
+        self.count = 1
+        self.flushes = 0
+        self.flush_s = 0.05
+        self.on_cell_done: Any = None
+
+    async def execute_internal(self, code: str, timeout_s: float,
+                               expressions: dict[str, str] | None = None) -> dict[str, Any]:
+        assert code == statesync.FLUSH and expressions == {"count": checkpoints.COUNT}
+        self.flushes += 1
+        count = self.count  # a kernel runs no cell while it flushes
+        await asyncio.sleep(self.flush_s)
+        return {"status": "ok",
+                "user_expressions": {"count": {"data": {"text/plain": str(count)}}}}
+
+    def cell(self) -> None:
+        """A cell ran and replied."""
+        self.count += 1
+        self.on_cell_done(self)
+
+
+def _setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+           answers: list[CheckpointRecorded]) -> tuple[FakeKernel, Checkpointer,
+                                                          list[Done], list[str], list[int]]:
+    kernel = FakeKernel(tmp_path)
+    uploads = iter(range(1, 100))
+    monkeypatch.setattr(statesync, "upload", lambda store, ws, k: {
+        "key": f"snap/{next(uploads)}", "bytes": 10, "written": 10})
+    deleted: list[str] = []
+    reported: list[int] = []
+
+    async def report(ws: str, generation: int, kernel_id: str, saved: dict[str, Any],
+                     cell: int) -> CheckpointRecorded:
+        reported.append(cell)
+        return answers.pop(0)
+
+    store = SimpleNamespace(delete=deleted.append)
+    locks: dict[str, asyncio.Lock] = {}
+    keeper = Checkpointer(store, lambda ws: locks.setdefault(ws, asyncio.Lock()),  # type: ignore[arg-type]
+                          lambda k: 3, report)
+    done: list[Done] = []
+    keeper.on_done = done.append
+    keeper.watch(kernel)  # type: ignore[arg-type]
+    return kernel, keeper, done, deleted, reported
+
+
+def test_cells_quicker_than_a_checkpoint_are_covered_by_one_more(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def main() -> None:
+        kernel, _keeper, done, deleted, reported = _setup(
+            tmp_path, monkeypatch, [CheckpointRecorded(kept=True),
+                                    CheckpointRecorded(kept=True, replaced="snap/1")])
+        kernel.cell()              # cell 1: a checkpoint starts
+        await asyncio.sleep(0.01)
+        kernel.cell()              # cells 2 and 3 end while it runs
+        kernel.cell()
+        await asyncio.sleep(0.3)
+        assert kernel.flushes == 2 and reported == [1, 3]
+        assert [d.cell for d in done] == [1, 3] and all(d.kept for d in done)
+        assert deleted == ["snap/1"]  # ours, replaced: its manifest goes
+    asyncio.run(main())
+
+
+def test_no_flush_is_sent_ahead_of_a_cell_waiting_in_the_kernel(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def main() -> None:
+        kernel, keeper, _done, deleted, reported = _setup(
+            tmp_path, monkeypatch, [CheckpointRecorded(kept=False, reason="stale")])
+        kernel.cells_pending.add("next")  # the client sent the next cell already
+        kernel.cell()
+        await asyncio.sleep(0.1)
+        assert kernel.flushes == 0  # its reply starts the checkpoint covering both
+        kernel.cells_pending.clear()
+        kernel.cell()
+        await asyncio.sleep(0.2)
+        assert kernel.flushes == 1 and reported == [2]
+        assert deleted == ["snap/1"]  # refused: not named by anyone, deleted
+        await keeper.forget(kernel)  # type: ignore[arg-type]
+        kernel.cell()  # forgotten: nothing more
+        await asyncio.sleep(0.1)
+        assert kernel.flushes == 1
+    asyncio.run(main())
