@@ -1,10 +1,10 @@
-"""Cell checkpoints, the replica every kernel has: their latency, their cost, and moves.
+"""Cell checkpoints and standby replicas: their latency, their cost, and moves.
 
 Every kernel's state is replicated by its cell checkpoints in the blob store
-(``agent/checkpoints.py``); only GPU workspaces under a replica policy also get warm
-standbys on other hosts (``control/standbys.py``), which this benchmark does not
-measure: its workspaces are CPU-only, on the default policy. So what NotebookOS calls
-state-sync latency is measured here as the **checkpoint latency**: from the cell's
+(``agent/checkpoints.py``); GPU workspaces under a replica policy also get warm
+standbys on their other replica hosts (``control/standbys.py``), measured in parts 6
+and 7 on a platform of their own. For every kernel, what NotebookOS calls
+state-sync latency is measured as the **checkpoint latency**: from the cell's
 execute_reply, as the client receives it, to the kernel's state being durable in the
 blob store and recorded in the control plane's DB (the workspace row's
 ``snapshot.kernels[kernel].cell`` reaching that cell's execution count; the ON
@@ -40,9 +40,30 @@ OFF (``--no-cell-checkpoints``), both ``--idle-suspend 0 --warm-pool 0``.
    each to the 10 ms poll of ``GET /v1/workspaces/{ws}``. The state is checked
    after each move.
 
+Then, after those two platforms are stopped (``--no-standby`` skips this,
+``--only-standby`` runs only this), a replica platform: ``nbfleet up --policy nbfleet
+--replicas 2 --gpus 1xA100-80GB --prewarm 0`` and a second agent joined before any
+workspace is placed, so that a GPU workspace's kernel runs on one host and has a
+standby on the other (a ``standby_replicas`` row).
+
+6. Standby sync latency, NotebookOS's state-sync latency proper: from a cell's
+   execute_reply to the standby row's ``staged[kernel]["cell"]`` reaching its
+   execution count (the DB polled as above), ``--samples`` small cells and
+   ``--big-samples`` 100 MB cells, one at a time: ``standby_sync_<small|100mb>_*``;
+   in the same poll loop the checkpoint latency (``standby_checkpoint_*``) and the
+   difference, the standby's own staging (``standby_staging_*``).
+7. Moves to the standby's host: the GPU workspace's host drained, the time to
+   ``running`` on the other host, its restore report's ``path`` (``_promoted``: how
+   many were ``standby``) and ``seconds`` (``_restore_p50_ms``), ``--standby-moves``
+   times with a small and with a 100 MB state: ``move_gpu_standby_<state>_*``. A
+   drain takes the host out of the workspace's replicas (the scheduler drops it from
+   its model), so each move is of a fresh GPU workspace, deleted after. Compared
+   with a CPU workspace's moves on the same platform, back and forth, which with
+   ``--prewarm 0`` start a kernel cold: ``move_cpu_cold_<state>_*``.
+
 One JSON line per figure on stdout (``{"bench": "replicas", "figure", "value"}``); a
-verdict on stderr against NotebookOS's sync (54.8 ms p50, 268 ms p99) and the 2 ms
-added-latency target.
+verdict on stderr against NotebookOS's sync (54.8 ms p50, 268 ms p99: the checkpoint
+and the standby sync latencies) and the 2 ms added-latency target.
 
     .venv/bin/python bench/replicas.py
     .venv/bin/python bench/replicas.py --samples 200 --big-samples 10 --think-ms 100
@@ -363,8 +384,15 @@ async def move(http: httpx.AsyncClient, side: Side,
     started: float | None = None
     deadline = start + GIVE_UP_S
     while True:
-        body = (await http.get(f"/v1/workspaces/{side.workspace}")).json()
+        got = await http.get(f"/v1/workspaces/{side.workspace}")
         now = time.perf_counter()
+        if got.status_code != 200:  # e.g. 429: noted, and asked again
+            seen.append(f"HTTP {got.status_code} {got.text[:100]} +{(now - start) * MS:.0f} ms")
+            if now > deadline:
+                raise RuntimeError(f"the drain of {leaving}: states {seen}")
+            await asyncio.sleep(0.1)
+            continue
+        body = got.json()
         state = f"{body['state']}@{body.get('host_id')}"
         if body.get("last_error"):
             state += f" ({str(body['last_error'])[:200]})"
@@ -541,161 +569,217 @@ async def sync_latency(side: Side, host: str, poller: SyncPoller, samples: int, 
     return out
 
 
-async def replica_moves(http: httpx.AsyncClient, side: Side, hosts: tuple[str, str],
-                        count: int, label: str, states: dict[str, tuple[str, str]],
-                        poller: Poller, gpu: bool) -> dict[str, float]:
-    """``count`` drain moves back and forth of ``side``'s workspace per state; figures
-    ``move_<label>_<state>_*``. For a GPU workspace, each move waits first for the
-    standby on the target to hold the latest checkpoint (``_standby_wait_``), and the
-    restore's path (``_promotions``: how many were "standby") and seconds are read."""
+@dataclass
+class Moved:
+    took: float
+    reaction: float
+    landed: str
+    path: str | None
+    restore_s: float | None
+    kept: bool
+
+
+async def one_move(http: httpx.AsyncClient, side: Side, here: str, check: str,
+                   expected: str, label: str, what: str) -> Moved:
+    """Drain ``here`` (the workspace's host), time the move, read its restore report,
+    reconnect and check the state."""
+    await side.sock.close()
+    await asyncio.sleep(SETTLE_S)
+    took, started, landed, seen = await move(http, side, here)
+    body = await workspace_body(http, side)
+    report = ((body.get("restore") or {}).get("kernels") or {}).get(side.kernel) or {}
+    path = report.get("path")
+    seconds = report.get("seconds")
+    stderr.print(f"[{label}] {what}: {took * MS:.0f} ms, {here} -> {landed}, restore path "
+                 f"{path} in {seconds} s, states {seen}", markup=False)
+    side.sock = await KernelSocket.connect(
+        channels_url(side.url, side.workspace, side.kernel), side.token)
+    got = await printed(side.sock, check)
+    return Moved(took, started, landed, path if isinstance(path, str) else None,
+                 float(seconds) if isinstance(seconds, (int, float)) else None,
+                 got == expected)
+
+
+def move_figures(name: str, moved: list[Moved]) -> dict[str, float]:
+    out = {f"{name}_p50_ms": statistics.median(m.took for m in moved) * MS,
+           f"{name}_max_ms": max(m.took for m in moved) * MS,
+           # The drain's turn to be acted on (the fleet's duties), then the move itself.
+           f"{name}_reaction_p50_ms": statistics.median(m.reaction for m in moved) * MS,
+           f"{name}_moving_p50_ms": statistics.median(m.took - m.reaction
+                                                      for m in moved) * MS,
+           f"{name}_state_ok": float(all(m.kept for m in moved))}
+    restored = [m.restore_s for m in moved if m.restore_s is not None]
+    if restored:
+        out[f"{name}_restore_p50_ms"] = statistics.median(restored) * MS
+    return out
+
+
+async def cold_moves(http: httpx.AsyncClient, side: Side, hosts: tuple[str, str],
+                     count: int, poller: Poller) -> dict[str, float]:
+    """``count`` drain moves back and forth per state of a CPU workspace (no standby):
+    figures ``move_cpu_cold_<state>_*``."""
     admin = admin_headers(side.home)
     other = {hosts[0]: hosts[1], hosts[1]: hosts[0]}
     out: dict[str, float] = {}
     here = str((await workspace_body(http, side))["host_id"])
-    for kind, (setup, check) in states.items():
+    for kind, (setup, check) in STANDBY_MOVE_STATES.items():
         await checkpointed(side, setup, poller)
         expected = await printed(side.sock, check)
-        took_all, reacted, restored, waited = [], [], [], []
-        promoted, kept = 0, True
+        moved: list[Moved] = []
         for index in range(count):
             there = other[here]
             undrained = await http.delete(f"/v1/admin/hosts/{there}/drain", headers=admin)
             if undrained.status_code != 200:
                 raise RuntimeError(f"undrain of {there}: {undrained.status_code} "
                                    f"{undrained.text}")
-            waited_from = time.perf_counter()
-            if gpu and not await standby_ready(http, side, there):
-                stderr.print(f"[{label}] no standby with the latest checkpoint on {there} "
-                             f"after {GIVE_UP_S:.0f} s: rows "
-                             f"{standby_rows(side.db, side.workspace)}", markup=False)
-            waited.append(time.perf_counter() - waited_from)
-            await side.sock.close()
-            await asyncio.sleep(max(0.0, SETTLE_S - waited[-1]))
-            took, started, landed, seen = await move(http, side, here)
-            body = await workspace_body(http, side)
-            report = (((body.get("restore") or {}).get("kernels") or {}).get(side.kernel)
-                      or {})
-            path = report.get("path")
-            promoted += path == "standby"
-            if isinstance(report.get("seconds"), (int, float)):
-                restored.append(float(report["seconds"]))
-            stderr.print(f"[{label}] move {index + 1}/{count} ({kind} state): "
-                         f"{took * MS:.0f} ms, {here} -> {landed}, restore path {path} "
-                         f"in {report.get('seconds')} s, states {seen}", markup=False)
-            if gpu and path != "standby":
-                stderr.print(f"[{label}] NOT promoted: restore {body.get('restore')}",
-                             markup=False)
-            side.sock = await KernelSocket.connect(
-                channels_url(side.url, side.workspace, side.kernel), side.token)
-            got = await printed(side.sock, check)
-            kept = kept and got == expected and landed == there
-            took_all.append(took)
-            reacted.append(started)
-            here = landed
-        name = f"move_{label}_{kind}"
-        out[f"{name}_p50_ms"] = statistics.median(took_all) * MS
-        out[f"{name}_max_ms"] = max(took_all) * MS
-        out[f"{name}_reaction_p50_ms"] = statistics.median(reacted) * MS
-        out[f"{name}_moving_p50_ms"] = statistics.median(
-            t - r for t, r in zip(took_all, reacted, strict=True)) * MS
-        if restored:
-            out[f"{name}_restore_p50_ms"] = statistics.median(restored) * MS
-        out[f"{name}_restore_path_{'standby' if gpu else 'any'}"] = float(
-            promoted if gpu else len(took_all))
-        if gpu:
-            out[f"{name}_standby_wait_p50_ms"] = statistics.median(waited) * MS
-        out[f"{name}_state_ok"] = float(kept)
-    # Leave both hosts taking work.
+            moved.append(await one_move(http, side, here, check, expected, "cpu_cold",
+                                        f"move {index + 1}/{count} ({kind} state)"))
+            moved[-1].kept = moved[-1].kept and moved[-1].landed == there
+            here = moved[-1].landed
+        out.update(move_figures(f"move_cpu_cold_{kind}", moved))
+        # --prewarm 0: no warm kernel to take, each move starts one.
+        out[f"move_cpu_cold_{kind}_cold_paths"] = float(sum(m.path == "cold" for m in moved))
     for host in hosts:
         await http.delete(f"/v1/admin/hosts/{host}/drain", headers=admin)
-    out[f"move_{label}_count"] = float(count)
+    out["move_cpu_cold_count"] = float(count)
     return out
+
+
+async def gpu_workspace(url: str, home: Path, name: str) -> Side:
+    sock, kernel, workspace, token = await workspace_kernel(
+        url, home, name=name, resources={"gpus": 1, "gpu_types": ["A100-80GB"]})
+    await grant_credits(url, home, name, 1000 * MICRO_CREDITS)
+    return Side(name, url, home, sock, kernel, workspace, token)
+
+
+async def with_standby(http: httpx.AsyncClient, side: Side, hosts: tuple[str, str],
+                       poller: Poller) -> tuple[str, str, float]:
+    """(executor, standby host, seconds from the first checkpoint to the standby
+    holding it) of a new GPU workspace."""
+    executor = str((await workspace_body(http, side))["host_id"])
+    standby_host = hosts[1] if executor == hosts[0] else hosts[0]
+    await checkpointed(side, "import os", poller)
+    made = time.perf_counter()
+    if not await standby_ready(http, side, standby_host, 60.0):
+        rows = standby_rows(side.db, side.workspace)
+        why = ("made before the kernel started, and never given it"
+               if standby_host in rows and side.kernel not in rows[standby_host] else "")
+        raise RuntimeError(f"no standby of kernel {side.kernel} on {standby_host} after "
+                           f"60 s {why}: rows {rows}")
+    return executor, standby_host, time.perf_counter() - made
+
+
+async def promotions(url: str, home: Path, hosts: tuple[str, str], count: int,
+                     poller: Poller, first: Side) -> dict[str, float]:
+    """``count`` moves per state of a GPU workspace to its standby's host; figures
+    ``move_gpu_standby_<state>_*``. A drain takes the host out of the workspace's
+    replicas (the scheduler drops it from its model), so each move is of a fresh
+    workspace (``first``, the sync latency's, is the first), deleted after."""
+    admin = admin_headers(home)
+    out: dict[str, float] = {}
+    serial = 0
+    for kind, (setup, check) in STANDBY_MOVE_STATES.items():
+        moved: list[Moved] = []
+        waits: list[float] = []
+        for index in range(count):
+            serial += 1
+            side = first if serial == 1 else await gpu_workspace(url, home, f"gpu{serial}")
+            async with httpx.AsyncClient(
+                    base_url=url, timeout=60.0,
+                    headers={"Authorization": f"Bearer {side.token}"}) as http:
+                if serial > 1:
+                    await with_standby(http, side, hosts, poller)
+                executor = str((await workspace_body(http, side))["host_id"])
+                standby_host = hosts[1] if executor == hosts[0] else hosts[0]
+                await checkpointed(side, setup, poller)
+                expected = await printed(side.sock, check)
+                waited = time.perf_counter()
+                if not await standby_ready(http, side, standby_host):
+                    raise RuntimeError(f"the standby on {standby_host} did not get the "
+                                       f"latest checkpoint: rows "
+                                       f"{standby_rows(side.db, side.workspace)}")
+                waits.append(time.perf_counter() - waited)
+                done = await one_move(http, side, executor, check, expected, "gpu_standby",
+                                      f"move {index + 1}/{count} ({kind} state)")
+                done.kept = done.kept and done.landed == standby_host
+                if done.path != "standby":
+                    stderr.print(f"[gpu_standby] NOT promoted: restore "
+                                 f"{(await workspace_body(http, side)).get('restore')}",
+                                 markup=False)
+                moved.append(done)
+                await side.sock.close()
+                await delete_workspace(http, side)
+                undrained = await http.delete(f"/v1/admin/hosts/{executor}/drain",
+                                              headers=admin)
+                if undrained.status_code != 200:
+                    raise RuntimeError(f"undrain of {executor}: {undrained.status_code} "
+                                       f"{undrained.text}")
+        name = f"move_gpu_standby_{kind}"
+        out.update(move_figures(name, moved))
+        out[f"{name}_promoted"] = float(sum(m.path == "standby" for m in moved))
+        # From the state's cell to its checkpoint staged on the standby (the move waits).
+        out[f"{name}_standby_wait_p50_ms"] = statistics.median(waits) * MS
+    out["move_gpu_standby_count"] = float(count)
+    return out
+
+
+async def delete_workspace(http: httpx.AsyncClient, side: Side) -> None:
+    """Delete the workspace and wait for it to be gone (its GPU free again)."""
+    deleted = await http.delete(f"/v1/workspaces/{side.workspace}")
+    if deleted.status_code not in (200, 202, 204):
+        raise RuntimeError(f"delete: {deleted.status_code} {deleted.text}")
+    deadline = time.perf_counter() + GIVE_UP_S
+    while time.perf_counter() < deadline:
+        got = await http.get(f"/v1/workspaces/{side.workspace}")
+        if got.status_code == 404 or (got.status_code == 200
+                                      and got.json().get("state") == "deleted"):
+            return
+        await asyncio.sleep(0.1)
+    raise TimeoutError(f"workspace {side.workspace} not deleted")
 
 
 async def standbys(args: argparse.Namespace, root: Path) -> dict[str, float]:
     """A replica platform (``--policy nbfleet --replicas 2``) of two 1-GPU hosts: a GPU
-    workspace's standby sync latency and its moves (promotions), then a CPU
-    workspace's moves (cold: no standby) on the same platform."""
+    workspace's standby sync latency, moves of GPU workspaces to their standby's host
+    (promotions), then a CPU workspace's moves (cold: no standby) on the same platform."""
     home = root / "replicas"
     home.mkdir()
     poller = SyncPoller(args.poll_ms / MS)
     results: dict[str, float] = {}
     with nbfleet_up(home, "--policy", "nbfleet", "--replicas", "2", "--gpus", "1xA100-80GB",
-                    "--idle-suspend", "0", "--warm-pool", "0") as url, \
+                    "--idle-suspend", "0", "--warm-pool", "0", "--prewarm", "0",
+                    "--rate-limit", "0") as url, \
             extra_agent(url, home) as proc:
         # The replica hosts are chosen at placement: both must be up before it.
         await asyncio.to_thread(wait_for, lambda: len(agent_ids(url, home)) >= 2, proc,
                                 "the second agent")
         first, second = agent_ids(url, home)[:2]
-        sock, kernel, workspace, token = await workspace_kernel(
-            url, home, name="gpu", resources={"gpus": 1, "gpu_types": ["A100-80GB"]})
-        await grant_credits(url, home, "gpu", 1000 * MICRO_CREDITS)
-        gpu = Side("gpu", url, home, sock, kernel, workspace, token)
+        hosts = (first, second)
+        gpu = await gpu_workspace(url, home, "gpu1")
         async with httpx.AsyncClient(base_url=url, timeout=60.0,
-                                     headers={"Authorization": f"Bearer {token}"}) as http:
-            executor = str((await workspace_body(http, gpu))["host_id"])
-            standby_host = second if executor == first else first
-            await checkpointed(gpu, "import os", poller)
-            made = time.perf_counter()
-            if not await standby_ready(http, gpu, standby_host, 30.0):
-                rows = standby_rows(gpu.db, workspace)
-                if standby_host not in rows or kernel in rows[standby_host]:
-                    raise RuntimeError(f"no standby of the kernel on {standby_host} after "
-                                       f"30 s: rows {rows}")
-                # The standby was made before the kernel started, and is never given it:
-                # a suspend drops it, the resume makes it again with the kernel.
-                stderr.print(f"the standby on {standby_host} has no kernel {kernel} "
-                             f"(made before it started): rows {rows}; suspending and "
-                             "resuming the workspace", markup=False)
-                results["standby_made_without_the_kernel"] = 1.0
-                await gpu.sock.close()
-                for verb in ("suspend", "resume"):
-                    done = await http.post(f"/v1/workspaces/{workspace}/{verb}",
-                                           params={"wait": 60})
-                    if done.status_code != 200:
-                        raise RuntimeError(f"{verb}: {done.status_code} {done.text}")
-                gpu.sock = await KernelSocket.connect(channels_url(url, workspace, kernel),
-                                                      token)
-                executor = str((await workspace_body(http, gpu))["host_id"])
-                standby_host = second if executor == first else first
-                await checkpointed(gpu, "import os", poller)
-                made = time.perf_counter()
-                if not await standby_ready(http, gpu, standby_host, 60.0):
-                    raise RuntimeError(f"no standby of the kernel on {standby_host} after "
-                                       f"the resume: rows {standby_rows(gpu.db, workspace)}")
-            stderr.print(f"standby on {standby_host} (executor {executor}) ready "
-                         f"{(time.perf_counter() - made) * MS:.0f} ms after the first "
-                         "checkpoint")
-            for index in range(3):  # warm-up
-                await checkpointed(gpu, f"warm_{index} = {index}", poller)
-            stderr.print("standby sync latency, small cells")
-            results.update(await sync_latency(gpu, standby_host, poller, args.samples,
-                                              "x_{i} = {i}", "small"))
-            stderr.print("standby sync latency, 100 MB cells")
-            results.update(await sync_latency(gpu, standby_host, poller, args.big_samples,
-                                              BIG, "100mb"))
-            if args.standby_moves:
-                stderr.print("moves of the GPU workspace (standby promotions)")
-                results.update(await replica_moves(http, gpu, (first, second),
-                                                   args.standby_moves, "gpu_standby",
-                                                   STANDBY_MOVE_STATES, poller, True))
+                                     headers={"Authorization": f"Bearer {gpu.token}"}) as http:
+            executor, standby_host, ready = await with_standby(http, gpu, hosts, poller)
+        stderr.print(f"standby on {standby_host} (executor {executor}) ready "
+                     f"{ready * MS:.0f} ms after the first checkpoint")
+        for index in range(3):  # warm-up
+            await checkpointed(gpu, f"warm_{index} = {index}", poller)
+        stderr.print("standby sync latency, small cells")
+        results.update(await sync_latency(gpu, standby_host, poller, args.samples,
+                                          "x_{i} = {i}", "small"))
+        stderr.print("standby sync latency, 100 MB cells")
+        results.update(await sync_latency(gpu, standby_host, poller, args.big_samples,
+                                          BIG, "100mb"))
+        if not args.standby_moves:
             await gpu.sock.close()
-            if args.standby_moves:
-                # Out of the way of the CPU workspace's moves.
-                suspended = await http.post(f"/v1/workspaces/{workspace}/suspend",
-                                            params={"wait": 60})
-                if suspended.status_code != 200:
-                    raise RuntimeError(f"suspend: {suspended.status_code} {suspended.text}")
-        if args.standby_moves:
-            sock, kernel, workspace, token = await workspace_kernel(url, home, name="cpu")
-            cpu = Side("cpu", url, home, sock, kernel, workspace, token)
-            async with httpx.AsyncClient(base_url=url, timeout=60.0,
-                                         headers={"Authorization": f"Bearer {token}"}) as http:
-                stderr.print("moves of a CPU workspace (cold) on the same platform")
-                results.update(await replica_moves(http, cpu, (first, second),
-                                                   args.standby_moves, "cpu_cold",
-                                                   STANDBY_MOVE_STATES, poller, False))
-            await cpu.sock.close()
+            return results
+        stderr.print("moves of GPU workspaces to their standby's host (promotions)")
+        results.update(await promotions(url, home, hosts, args.standby_moves, poller, gpu))
+        cpu = Side("cpu", url, home, *(await workspace_kernel(url, home, name="cpu")))
+        async with httpx.AsyncClient(base_url=url, timeout=60.0,
+                                     headers={"Authorization": f"Bearer {cpu.token}"}) as http:
+            stderr.print("moves of a CPU workspace (cold) on the same platform")
+            results.update(await cold_moves(http, cpu, hosts, args.standby_moves, poller))
+        await cpu.sock.close()
     return results
 
 
@@ -770,7 +854,7 @@ def standby_verdict(results: dict[str, float]) -> list[str]:
         count = int(results["move_gpu_standby_count"])
         for kind in STANDBY_MOVE_STATES:
             gpu, cpu = f"move_gpu_standby_{kind}", f"move_cpu_cold_{kind}"
-            promoted = int(results[f"{gpu}_restore_path_standby"])
+            promoted = int(results[f"{gpu}_promoted"])
             kept = results[f"{gpu}_state_ok"] and results.get(f"{cpu}_state_ok", 1.0)
             parts.append(
                 f"move ({kind} state) GPU by promotion p50 {results[f'{gpu}_p50_ms']:.0f} ms "

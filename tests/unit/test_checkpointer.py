@@ -4,6 +4,7 @@ manifest of a checkpoint the control plane replaced (or refused) deleted."""
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -29,13 +30,24 @@ class FakeKernel:
         self.flushes = 0
         self.flush_s = 0.05
         self.on_cell_done: Any = None
+        self.writers: list[asyncio.Task[None]] = []
 
     async def execute_internal(self, code: str, timeout_s: float,
                                expressions: dict[str, str] | None = None) -> dict[str, Any]:
-        assert code == statesync.FLUSH and expressions == {"count": checkpoints.COUNT}
+        """As the kernel's extension: the request returns at once, and the capture
+        thread writes the checkpoint later, unless a cell starts first."""
+        seq = int(code.rsplit("(", 1)[1].rstrip(")"))
+        assert code == checkpoints.CHECKPOINT.format(seq=seq)
+        assert expressions == {"count": checkpoints.COUNT}
         self.flushes += 1
-        count = self.count  # a kernel runs no cell while it flushes
-        await asyncio.sleep(self.flush_s)
+        count = self.count
+
+        async def write() -> None:
+            await asyncio.sleep(self.flush_s)
+            ok = self.count == count
+            (Path(self.state_dir) / "checkpoint.json").write_text(json.dumps(
+                {"seq": seq, "ok": ok, "reason": None if ok else "a cell started"}))
+        self.writers.append(asyncio.create_task(write()))
         return {"status": "ok",
                 "user_expressions": {"count": {"data": {"text/plain": str(count)}}}}
 
@@ -72,16 +84,19 @@ def _setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 
 def test_cells_quicker_than_a_checkpoint_are_covered_by_one_more(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel gives up a checkpoint a cell overtakes (its view may be torn);
+    the next one covers every cell so far, and the one before it is replaced."""
     async def main() -> None:
         kernel, _keeper, done, deleted, reported = _setup(
             tmp_path, monkeypatch, [CheckpointRecorded(kept=True),
                                     CheckpointRecorded(kept=True, replaced="snap/1")])
-        kernel.cell()              # cell 1: a checkpoint starts
+        kernel.cell()              # cell 1: its checkpoint is written
+        await asyncio.sleep(0.2)
+        kernel.cell()              # cell 2: a checkpoint starts...
         await asyncio.sleep(0.01)
-        kernel.cell()              # cells 2 and 3 end while it runs
-        kernel.cell()
-        await asyncio.sleep(0.3)
-        assert kernel.flushes == 2 and reported == [1, 3]
+        kernel.cell()              # ...and cell 3 ends before it is written
+        await asyncio.sleep(0.4)
+        assert kernel.flushes == 3 and reported == [1, 3]
         assert [d.cell for d in done] == [1, 3] and all(d.kept for d in done)
         assert deleted == ["snap/1"]  # ours, replaced: its manifest goes
     asyncio.run(main())

@@ -6,12 +6,14 @@ answer) the agent has the kernel flush its state and uploads it, then reports th
 key to the control plane, which records it as the kernel's latest state. A
 placement after a lost host restores from it: the last completed cell's state.
 
-What it costs: the capture extension pickles the values a cell changed on its own
-thread while the user reads the output (``kernel/capture.py``), so the flush only
-waits for that thread and writes the manifest; the upload sends only blobs the store
-lacks (content-addressed). The flush runs on the kernel's shell channel and is sent
-only when no client cell waits there, so it never delays a cell already sent; a
-cell sent while it runs waits for it (``bench/replicas.py`` measures that).
+What it costs the user: nothing on the reply path, and almost nothing on the next
+cell's. The agent's request is a silent execute that only queues the snapshot on
+the capture extension's own thread (``kernel.checkpoint``); that thread pickles and
+checks the namespace (exactly, as a suspend does) while the kernel is idle, and a
+cell that starts meanwhile makes it give up, so the next cell never waits for it.
+The upload sends only blobs the store lacks (content-addressed). The request is
+sent only when no client cell waits in the kernel. ``bench/replicas.py`` measures
+what remains.
 
 Cells quicker than a checkpoint are coalesced: one checkpoint covers them all.
 One task per kernel reports in order, so a report never replaces a later one.
@@ -21,8 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -33,6 +35,7 @@ from prometheus_client import Counter, Histogram
 from nbfleet.agent import statesync
 from nbfleet.agent.kernel_process import KernelProcess
 from nbfleet.protocol.checkpoints import CheckpointRecorded
+from nbfleet.storage import beneath
 from nbfleet.storage.blobs import BlobStore
 
 log = logging.getLogger(__name__)
@@ -47,8 +50,15 @@ CHECKPOINT_BYTES = Counter("nbfleet_cell_checkpoint_bytes_written_total",
 CHECKPOINTS = Counter("nbfleet_cell_checkpoints_total", "Cell checkpoints, by outcome",
                       ["outcome"])
 
-#: The execution count the kernel will give its next cell, read after the flush.
+#: The execution count the kernel will give its next cell, read with the request.
 COUNT = "get_ipython().execution_count"
+#: Asks the kernel's capture worker for a snapshot; the next cell never waits for it.
+CHECKPOINT = "__import__('nbfleet.kernel').kernel.checkpoint({seq})"
+CHECKPOINT_MARK = "checkpoint.json"
+MARK_LIMIT = 64 << 10
+#: How often the agent looks whether the kernel has written its checkpoint.
+MARK_POLL_S = 0.005
+REQUEST_TIMEOUT_S = 30.0
 
 #: (workspace id, generation, kernel id, the upload, its cell) -> the control plane's answer.
 Report = Callable[[str, int, str, dict[str, Any], int], Awaitable[CheckpointRecorded]]
@@ -88,6 +98,7 @@ class Checkpointer:
         self.report = report
         self.on_done: Callable[[Done], None] = lambda done: None
         self._due: dict[KernelProcess, _Due] = {}
+        self._seq = 0
 
     def watch(self, kernel: KernelProcess) -> None:
         kernel.on_cell_done = self.cell_done
@@ -135,8 +146,11 @@ class Checkpointer:
             if kernel.cells_pending:  # one came while we waited: its reply starts the next
                 due.dirty = True
                 return
-            cell = await _flush(kernel)
+            self._seq += 1
+            cell = await _flush(kernel, self._seq)
             if cell is None:
+                if kernel.cells_pending:
+                    due.dirty = True  # abandoned for the next cell: its reply tries again
                 return
             saved = await asyncio.to_thread(statesync.upload, self.blobs, workspace_id, kernel)
         key = str(saved["key"])
@@ -164,24 +178,49 @@ class Checkpointer:
                 self.blobs.delete(key)
 
 
-async def _flush(kernel: KernelProcess) -> int | None:
-    """Flush the kernel's state; the count of the last cell it includes, or None."""
+async def _flush(kernel: KernelProcess, seq: int) -> int | None:
+    """Have the kernel write its state in the background; the count of the last
+    cell it includes, or None (it failed, or a cell started first)."""
     if kernel.state_dir is None:
         return None
     try:
-        reply = await kernel.execute_internal(statesync.FLUSH, statesync.FLUSH_TIMEOUT_S,
+        reply = await kernel.execute_internal(CHECKPOINT.format(seq=seq), REQUEST_TIMEOUT_S,
                                               {"count": COUNT})
     except TimeoutError:
-        log.warning("kernel %s did not flush its state in time", kernel.id)
+        log.warning("kernel %s did not take a checkpoint request in time", kernel.id)
         return None
     if reply.get("status") != "ok":
-        log.warning("kernel %s could not flush its state: %s", kernel.id,
+        log.warning("kernel %s could not checkpoint: %s", kernel.id,
                     str(reply.get("evalue", ""))[:200])
         return None
-    manifest = os.path.join(kernel.state_dir, "manifest.json")
-    if not await asyncio.to_thread(os.path.exists, manifest):
+    cell = _count(reply) - 1
+    deadline = time.monotonic() + statesync.FLUSH_TIMEOUT_S
+    while time.monotonic() < deadline:
+        mark = await asyncio.to_thread(_read_mark, kernel.state_dir)
+        if mark is not None and mark.get("seq") == seq:
+            if mark.get("ok") is True:
+                return cell
+            log.info("checkpoint of kernel %s not taken: %s", kernel.id,
+                     str(mark.get("reason"))[:200])
+            return None
+        if kernel.execution_state == "dead":
+            return None
+        await asyncio.sleep(MARK_POLL_S)
+    log.warning("kernel %s did not write its checkpoint in time", kernel.id)
+    return None
+
+
+def _read_mark(state_dir: str) -> dict[str, Any] | None:
+    """The kernel's note on its last checkpoint (it owns the file: read through a
+    checked descriptor, bounded); None while there is none or it is not one."""
+    try:
+        with beneath.directory(state_dir) as folder, \
+                beneath.open_regular(folder, CHECKPOINT_MARK) as opened:
+            raw = beneath.read_fd(opened[0], MARK_LIMIT) if opened else None
+        body = json.loads(raw) if raw is not None else None
+    except (OSError, ValueError, RecursionError):
         return None
-    return _count(reply) - 1
+    return body if isinstance(body, dict) else None
 
 
 def _count(reply: dict[str, Any]) -> int:

@@ -23,8 +23,8 @@ from nbfleet.kernel.blobs import INLINE_LIMIT
 from nbfleet.kernel.capture import Capture
 from nbfleet.kernel.gpu import current_binding
 
-__all__ = ["INLINE_LIMIT", "current_binding", "flush", "load_ipython_extension", "restore",
-           "unload_ipython_extension"]
+__all__ = ["INLINE_LIMIT", "checkpoint", "current_binding", "flush", "load_ipython_extension",
+           "restore", "unload_ipython_extension"]
 
 log = logging.getLogger("nbfleet.kernel")
 
@@ -68,6 +68,9 @@ def load_ipython_extension(ip: Any) -> None:
         return
     state_dir.mkdir(parents=True, exist_ok=True)
     capture = Capture(ip, state_dir)
+    capture.checkpoint_writer = lambda seq, epoch: _snapshot.checkpoint(capture, seq, epoch)
+    capture.checkpoint_dropped = (
+        lambda seq, reason: _snapshot.mark_checkpoint(capture, seq, False, reason))
     capture.start()
     _capture = capture
 
@@ -99,6 +102,16 @@ def flush() -> dict[str, Any]:
     if capture is None:
         return {"names": 0, "bytes": 0, "blobs": [], "lost": []}
     return _snapshot.flush(capture)
+
+
+def checkpoint(seq: int) -> bool:
+    """Have the state written in the background, as it is now (the agent, after a
+    cell); ``<STATE_DIR>/checkpoint.json`` says when it is done. False: no capture."""
+    capture = _active()
+    if capture is None:
+        return False
+    capture.request_checkpoint(seq)
+    return True
 
 
 def restore(replay_budget_s: float | None = None) -> dict[str, Any]:

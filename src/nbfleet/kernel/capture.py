@@ -15,6 +15,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,15 @@ class _Job:
     epoch: int
     mark: int
     roots: dict[str, object]  # every root's value at cell end
+
+
+@dataclass(frozen=True)
+class _Checkpoint:
+    """A snapshot the agent asked for between cells, written by the worker
+    (``snapshot.checkpoint``); abandoned if a cell starts before it is done."""
+
+    epoch: int
+    seq: int
 
 
 class Capture:
@@ -64,7 +74,12 @@ class Capture:
         self._dirty: dict[str, int] = {}  # name -> mark of the cell that dirtied it
         self._outputs: tuple[int, Any] = (0, None)  # Out's size and last key when last seen
         self._before: list[dict[str, int]] = []  # a stack: cells can run cells
-        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._queue: queue.Queue[_Job | _Checkpoint | None] = queue.Queue()
+        #: Writes a checkpoint on the worker (set by the extension: ``snapshot``
+        #: imports this module); called with (seq, epoch), and with ok=False when
+        #: the checkpoint is dropped unwritten.
+        self.checkpoint_writer: Callable[[int, int], None] | None = None
+        self.checkpoint_dropped: Callable[[int, str], None] | None = None
         self._worker = threading.Thread(target=self._work, name="nbfleet-capture", daemon=True)
 
     # -- lifecycle -----------------------------------------------------------
@@ -229,10 +244,15 @@ class Capture:
                     except queue.Empty:
                         break
                     self._queue.task_done()
+                    if isinstance(job, _Checkpoint):
+                        self._dropped(job.seq, "a cell started")
                     job = newer
                 if job is None:
                     return
-                self._run(job)
+                if isinstance(job, _Checkpoint):
+                    self._checkpoint(job)
+                else:
+                    self._run(job)
             except Exception:
                 log.exception("nbfleet: background capture failed")
             finally:
@@ -242,6 +262,38 @@ class Capture:
     def _valid(self, epoch: int) -> bool:
         with self._lock:
             return self._epoch == epoch
+
+    valid = _valid
+
+    def commit_if_valid(self, epoch: int, commit: Callable[[], None]) -> bool:
+        """Run ``commit`` unless a cell started since ``epoch`` (none can start
+        while it runs: a cell's start takes the same lock)."""
+        with self._lock:
+            if self._epoch != epoch:
+                return False
+            commit()
+            return True
+
+    # -- checkpoints (the agent's, after a cell; written off the main thread) ----
+
+    def request_checkpoint(self, seq: int) -> None:
+        """Main thread, between cells: have the worker snapshot the namespace as it
+        is now, without holding up the next cell (it abandons the snapshot)."""
+        with self._lock:
+            epoch = self._epoch
+        self._queue.put(_Checkpoint(epoch, seq))
+
+    def _checkpoint(self, job: _Checkpoint) -> None:
+        if self.checkpoint_writer is None:
+            self._dropped(job.seq, "no checkpoint writer")
+        elif not self._valid(job.epoch):
+            self._dropped(job.seq, "a cell started")
+        else:
+            self.checkpoint_writer(job.seq, job.epoch)
+
+    def _dropped(self, seq: int, reason: str) -> None:
+        if self.checkpoint_dropped is not None:
+            self.checkpoint_dropped(seq, reason)
 
     def _run(self, job: _Job) -> None:
         with self._lock:
@@ -274,9 +326,13 @@ class Capture:
 
     # -- flush support (main thread, no cell running) ---------------------------
 
-    def settle(self) -> dict[str, Record]:
-        """Wait for the worker, then check every group exactly; returns every record."""
-        self._queue.join()
+    def settle(self, epoch: int | None = None) -> dict[str, Record] | None:
+        """Check every group exactly; returns every record. On the main thread
+        (``epoch`` None) it waits for the worker first; on the worker (a checkpoint
+        taken in ``epoch``) it returns None as soon as a cell starts."""
+        valid = None if epoch is None else (lambda: self._valid(epoch))
+        if epoch is None:
+            self._queue.join()
         for attempt in (1, 2):
             roots = self.roots()
             with self._lock:
@@ -286,14 +342,18 @@ class Capture:
                 records = dict(self.records)
                 mark = self._mark
             cycle = Cycle(records, roots, dirty, self.shell.user_ns, self.store, None,
-                          lambda: True)
+                          valid or (lambda: True))
             try:
                 result = cycle.run()
             except ChangedWhileStoring:  # a user thread is writing to it: try once more
+                if valid is not None and not valid():
+                    return None
                 if attempt == 2:
                     raise
                 continue
             with self._lock:
+                if epoch is not None and self._epoch != epoch:
+                    return None  # a cell started: what was pickled may be torn
                 self._commit(result or {}, mark, cycle.dropped_outputs)
             break
         return dict(self.records)

@@ -54,11 +54,20 @@ def _encode_settings(capture: Capture) -> tuple[codec.Entry | None, dict[str, di
         return None, {"settings": {"type": settings.SETTING, "reason": str(error)}}
 
 
-def build(capture: Capture) -> dict[str, Any]:
-    """The manifest document for the namespace as it is now (pickles what is dirty)."""
+class Abandoned(Exception):
+    """A cell started while a checkpoint was being taken: its view may be torn."""
+
+
+def build(capture: Capture, epoch: int | None = None) -> dict[str, Any]:
+    """The manifest document for the namespace as it is now (pickles what is dirty).
+    ``epoch``: taken on the worker for a checkpoint; :class:`Abandoned` once a cell
+    starts."""
     from nbfleet.kernel import purity  # only when a snapshot is taken: kernels start lighter
 
-    records = capture.settle()
+    settled = capture.settle(epoch)
+    if settled is None:
+        raise Abandoned()
+    records = settled
     unpicklable = {name for name, record in records.items() if isinstance(record, Failed)}
     values: dict[str, Any] = {}
     groups: list[dict[str, Any]] = []
@@ -148,3 +157,36 @@ def flush(capture: Capture) -> dict[str, Any]:
         "blobs": document["blobs"],
         "lost": sorted(document["lost"]),
     }
+
+
+CHECKPOINT_MARK = "checkpoint.json"
+
+
+def checkpoint(capture: Capture, seq: int, epoch: int) -> None:
+    """On the capture's worker, between cells: write the manifest as :func:`flush`
+    does, unless a cell starts first; then say how it went in ``checkpoint.json``
+    (the agent waits for that ``seq``). The next cell never waits for it."""
+    try:
+        document = build(capture, epoch)
+        capture.state_dir.mkdir(parents=True, exist_ok=True)
+        staged = capture.state_dir / f".manifest-{seq}.json"
+        manifest.write_json_atomic(staged, document)
+
+        def commit() -> None:
+            staged.replace(capture.state_dir / "manifest.json")
+        if not capture.commit_if_valid(epoch, commit):
+            staged.unlink(missing_ok=True)
+            raise Abandoned()
+        capture.store.collect(document["blobs"])
+    except Abandoned:
+        mark_checkpoint(capture, seq, False, "a cell started")
+    except Exception as error:  # the agent reports it; the kernel goes on
+        mark_checkpoint(capture, seq, False, f"{type(error).__name__}: {error}"[:500])
+    else:
+        mark_checkpoint(capture, seq, True, None)
+
+
+def mark_checkpoint(capture: Capture, seq: int, ok: bool, reason: str | None) -> None:
+    capture.state_dir.mkdir(parents=True, exist_ok=True)
+    manifest.write_json_atomic(capture.state_dir / CHECKPOINT_MARK,
+                               {"seq": seq, "ok": ok, "reason": reason})
