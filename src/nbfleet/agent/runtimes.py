@@ -11,18 +11,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import shutil
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
-from nbfleet.agent import filesync, preimports, statesync
+from nbfleet.agent import filesync, placing, preimports, statesync
 from nbfleet.agent.checkpoints import Checkpointer
 from nbfleet.agent.kernel_process import KernelProcess
 from nbfleet.agent.livesync import LiveSync
+from nbfleet.agent.placing import Placed, Runtime
 from nbfleet.agent.sandbox import Isolation, gpu_devices
-from nbfleet.agent.slots import WARM_IMPORTS, Slot, new_kernel
-from nbfleet.agent.standbys import Standby, Standbys, promote_files
+from nbfleet.agent.slots import Slot, new_kernel
+from nbfleet.agent.standbys import Standby, Standbys
 from nbfleet.agent.warmpool import Warm, WarmPool
 from nbfleet.model.errors import Conflict, NotFound, SuspendFailed
 from nbfleet.model.limits import Limits
@@ -30,29 +29,6 @@ from nbfleet.storage.files import WorkspaceFiles
 from nbfleet.storage.snapshots import CorruptSnapshot, restore_layer, store_layer
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Runtime:
-    workspace_id: str
-    generation: int
-    slot: Slot
-    manifest: filesync.Manifest = field(default_factory=dict)
-    kernels: dict[str, KernelProcess] = field(default_factory=dict)
-    #: The periodic sync of what its kernels write (None: turned off).
-    syncing: asyncio.Task[None] | None = None
-
-    @property
-    def workdir(self) -> str:
-        return self.slot.files
-
-
-@dataclass
-class Placed:
-    runtime: Runtime
-    #: kernel id -> what its restore brought back (empty when nothing was restored).
-    restore: dict[str, dict[str, Any]] = field(default_factory=dict)
-    packages: dict[str, Any] = field(default_factory=dict)
 
 
 class RuntimeManager:
@@ -139,116 +115,19 @@ class RuntimeManager:
             self._fence(workspace_id, generation)
             runtime = self.runtimes.get(workspace_id)
             if runtime is None and (standby := self.standbys.take(workspace_id)) is not None:
-                return await self._promote(standby, generation, wanted, snapshot or {},
-                                           packages, notices or {})
+                return await placing.promote(self, standby, generation, wanted,
+                                             snapshot or {}, packages, notices or {})
             if runtime is None:
                 devices = self.gpu_devices if gpus else ()
-                return await self._place(workspace_id, generation, wanted, snapshot or {},
-                                         packages, self.isolation.limits.over(limits),
-                                         network, devices, notices or {})
+                return await placing.place(self, workspace_id, generation, wanted,
+                                           snapshot or {}, packages,
+                                           self.isolation.limits.over(limits), network,
+                                           devices, notices or {})
             runtime.generation = generation
             for kernel_id, name in wanted:
                 if kernel_id not in runtime.kernels:
                     await self._start_kernel(runtime, kernel_id, name)
             return Placed(runtime)
-
-    async def _place(self, workspace_id: str, generation: int, kernels: list[tuple[str, str]],
-                     snapshot: dict[str, str], packages: str | None, limits: Limits,
-                     network: str, devices: tuple[str, ...],
-                     notices: dict[str, str]) -> Placed:
-        """The first kernel comes from the warm pool: one prepared with the modules
-        its snapshot needs where there is one. What it lacks is imported while the
-        snapshot downloads (``preimports``)."""
-        needs = await asyncio.to_thread(preimports.snapshot_needs, self.blobs, workspace_id,
-                                        snapshot, self.base_env)
-        fits = self._warm_fits(limits, network, devices)
-        first = needs.get(kernels[0][0], preimports.NOTHING) if kernels else preimports.NOTHING
-        warm = self.pool.claim(kernels[0][1], first.profile) if kernels and fits else None
-        if warm is not None and not await self._fit(warm, limits):
-            warm = None
-        slot = warm.slot if warm else await asyncio.to_thread(self.new_slot, workspace_id,
-                                                                limits, network, devices)
-        placed = Placed(Runtime(workspace_id, generation, slot))
-        runtime = placed.runtime
-        try:
-            runtime.manifest, placed.packages = await asyncio.gather(
-                asyncio.to_thread(filesync.materialize, self.files, workspace_id, slot.files,
-                                  slot.owner),
-                asyncio.to_thread(self._restore_layer, workspace_id, packages, slot),
-            )
-            await asyncio.to_thread(slot.hand_over)
-            layer = await asyncio.to_thread(preimports.layer_modules, slot.packages)
-            for index, (kernel_id, name) in enumerate(kernels):
-                loaded: frozenset[str] = frozenset()
-                if index == 0 and warm is not None:
-                    kernel, path = warm.kernel, "warm"
-                    kernel.rename(kernel_id, workspace_id)
-                    self._register(runtime, kernel)
-                    loaded = warm.modules | frozenset(WARM_IMPORTS)
-                    if preimports.shadowed(loaded, layer):
-                        # It imported from the base environment what the workspace's
-                        # own layer replaces: a fresh process loads the layer's.
-                        await kernel.restart()
-                        path = "cold"
-                else:
-                    kernel, path = await self._start_kernel(runtime, kernel_id, name), "cold"
-                if notices.get(kernel_id):
-                    kernel.announce(notices[kernel_id])
-                wanted = tuple(m for m in needs.get(kernel_id, preimports.NOTHING).modules
-                               if m not in loaded and not preimports.shadowed((m,), layer))
-                placed.restore[kernel_id] = await statesync.restore(
-                    self.blobs, workspace_id, kernel, snapshot.get(kernel_id), path,
-                    prepared=warm.modules if path == "warm" and warm else frozenset(),
-                    preimport=wanted)
-        except BaseException:
-            await self._teardown(runtime, sync=False)
-            raise
-        self.runtimes[workspace_id] = runtime
-        self._start_sync(runtime)
-        return placed
-
-    async def _promote(self, standby: Standby, generation: int,
-                       kernels: list[tuple[str, str]], snapshot: dict[str, str],
-                       packages: str | None, notices: dict[str, str]) -> Placed:
-        """Serve the workspace from the standby kept here: its kernels run already,
-        and the state staged is loaded instead of downloaded (when it is the one
-        asked for; else the asked one is downloaded, as on any placement)."""
-        workspace_id = standby.workspace_id
-        runtime = Runtime(workspace_id, generation, standby.slot)
-        placed = Placed(runtime)
-        try:
-            runtime.manifest = await promote_files(self.files, workspace_id, standby.slot)
-            placed.packages = ({"restored": True} if packages == standby.packages else
-                               await asyncio.to_thread(self._restore_layer, workspace_id,
-                                                       packages, standby.slot))
-            for kernel_id, name in kernels:
-                kernel = standby.kernels.pop(kernel_id, None)
-                if kernel is None:
-                    kernel = await self._start_kernel(runtime, kernel_id, name)
-                else:
-                    self._register(runtime, kernel)
-                if notices.get(kernel_id):
-                    kernel.announce(notices[kernel_id])
-                key = snapshot.get(kernel_id)
-                staged = standby.staged.get(kernel_id)
-                ready = staged is not None and key is not None and staged.key == key
-                if ready and staged is not None:
-                    del standby.staged[kernel_id]  # moved into the kernel's state
-                placed.restore[kernel_id] = await statesync.restore(
-                    self.blobs, workspace_id, kernel, key, "standby",
-                    staged=staged.directory if ready and staged is not None else None,
-                    reuse=staged.directory if not ready and staged is not None else None)
-        except BaseException:
-            await self._teardown(runtime, sync=False)
-            raise
-        finally:
-            for kernel in standby.kernels.values():  # not wanted any more
-                await kernel.shutdown()
-            for left in standby.staged.values():
-                await asyncio.to_thread(shutil.rmtree, left.directory, True)
-        self.runtimes[workspace_id] = runtime
-        self._start_sync(runtime)
-        return placed
 
     async def keep_standby(self, workspace_id: str, generation: int,
                            kernels: Iterable[tuple[str, str]], snapshot: dict[str, str],
