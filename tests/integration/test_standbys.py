@@ -37,6 +37,17 @@ def _standbys(cluster: Cluster, ws: str) -> dict[str, Any]:
     return {row.host_id: row.staged or {} for (row,) in rows}
 
 
+def _agent_standbys(cluster: Cluster, host_id: str) -> dict[str, Any]:
+    """What the agent itself says it keeps warm (not the control plane's record)."""
+    agents = cluster.admin().get("/v1/admin/agents").json()["items"]
+    url = next(a["url"] for a in agents if a["id"] == host_id)
+    response = httpx.get(f"{url}/agent/v1/standbys", timeout=30,
+                         headers={"Authorization": f"Bearer {cluster.secret}"})
+    response.raise_for_status()
+    body: dict[str, Any] = response.json()
+    return body
+
+
 def _workspace(client: httpx.Client, ws: str) -> dict[str, Any]:
     body: dict[str, Any] = client.get(f"/v1/workspaces/{ws}").json()
     return body
@@ -99,6 +110,12 @@ def test_a_standby_is_kept_in_sync_and_promoted_when_the_executor_s_host_dies(
             # A standby on the other replica host, made in the background.
             wait_until(lambda: other in _standbys(cluster, ws), 60, 0.2, "the standby")
             assert executor not in _standbys(cluster, ws)
+            # A kernel started later is kept warm there too (the standby follows).
+            second = start_kernel(client, ws)
+            wait_until(lambda: set(_standbys(cluster, ws).get(other, {})) == {kernel, second},
+                       30, 0.2, "the second kernel in the standby")
+            assert set(_agent_standbys(cluster, other)[ws]["kernels"]) == {kernel, second}
+            assert ws not in _agent_standbys(cluster, executor)
 
             result = asyncio.run(_lose_the_executor_mid_cell(cluster, client, ws, kernel,
                                                              executor, other))
@@ -145,5 +162,13 @@ def test_a_standby_whose_host_dies_is_made_again_on_another_host(tmp_path: Path)
             # The executor was not disturbed.
             assert _workspace(client, ws)["host_id"] == executor
             assert _workspace(client, ws)["state"] == "running"
+            assert ws in _agent_standbys(cluster, spare)
+            # A drained host keeps no standby: the record goes, and so does the
+            # standby on the agent itself.
+            drained = cluster.admin().post(f"/v1/admin/hosts/{spare}/drain")
+            assert drained.status_code in (200, 202), drained.text
+            wait_until(lambda: ws not in _agent_standbys(cluster, spare)
+                       and spare not in _standbys(cluster, ws), 30, 0.2,
+                       "the standby dropped on the drained host")
         finally:
             cluster.stop()

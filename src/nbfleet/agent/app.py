@@ -114,6 +114,12 @@ def create_agent_app(service: AgentService) -> FastAPI:
                                                   sync=order.sync)
         return RuntimeReleased(released=released)
 
+    @api.get("/standbys")
+    async def list_standbys() -> dict[str, StandbyState]:
+        """The workspaces kept warm here for another host, and what each holds."""
+        return {ws: StandbyState.model_validate({"kernels": standby.state()})
+                for ws, standby in service.manager.standbys.by_workspace.items()}
+
     @api.put("/standbys/{workspace_id}")
     async def keep_standby(workspace_id: str, body: EnsureRuntime) -> StandbyState:
         standby = await service.manager.keep_standby(

@@ -117,8 +117,9 @@ async def promote(manager: RuntimeManager, standby: Standby, generation: int,
                                                    packages, standby.slot))
         for kernel_id, name in kernels:
             kernel = standby.kernels.pop(kernel_id, None)
-            if kernel is None:
-                kernel = await manager._start_kernel(runtime, kernel_id, name)
+            path = "standby"
+            if kernel is None:  # started after the standby was last brought up to date
+                kernel, path = await manager._start_kernel(runtime, kernel_id, name), "cold"
             else:
                 manager._register(runtime, kernel)
             if notices.get(kernel_id):
@@ -129,7 +130,7 @@ async def promote(manager: RuntimeManager, standby: Standby, generation: int,
             if ready and staged is not None:
                 del standby.staged[kernel_id]  # moved into the kernel's state
             placed.restore[kernel_id] = await statesync.restore(
-                manager.blobs, workspace_id, kernel, key, "standby",
+                manager.blobs, workspace_id, kernel, key, path,
                 staged=staged.directory if ready and staged is not None else None,
                 reuse=staged.directory if not ready and staged is not None else None)
     except BaseException:

@@ -62,7 +62,10 @@ class Standby:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def state(self) -> dict[str, dict[str, str | int | None]]:
-        return {kid: {"key": s.key, "cell": s.cell} for kid, s in self.staged.items()}
+        """Every kernel kept, with what is staged for it (key None: nothing yet)."""
+        return {kid: ({"key": self.staged[kid].key, "cell": self.staged[kid].cell}
+                      if kid in self.staged else {"key": None, "cell": None})
+                for kid in self.kernels}
 
 
 class Standbys:
@@ -90,7 +93,11 @@ class Standbys:
             raise Conflict(f"workspace {workspace_id} runs on this host: no standby here")
         standby = self.by_workspace.get(workspace_id)
         if standby is not None:
+            # Kept already: it follows the workspace's kernels (one started or shut
+            # down since), the rest as it is.
             standby.generation = max(standby.generation, generation)
+            async with standby.lock:
+                await self._follow_kernels(standby, kernels, snapshot)
             return standby
         slot = await asyncio.to_thread(self.new_slot, workspace_id, *slot_args)
         standby = Standby(workspace_id, generation, slot, packages=packages)
@@ -99,26 +106,42 @@ class Standbys:
                                     slot.owner)
             await asyncio.to_thread(self.restore_layer, workspace_id, packages, slot)
             await asyncio.to_thread(slot.hand_over)
-            needs = await asyncio.to_thread(preimports.snapshot_needs, self.blobs, workspace_id,
-                                            snapshot, self.base_env)
-            for kernel_id, name in kernels:
-                kernel = new_kernel(slot, kernel_id, workspace_id, name, self.sandbox)
-                try:
-                    await kernel.start()
-                except BaseException:
-                    await kernel.shutdown()
-                    raise
-                standby.kernels[kernel_id] = kernel
-                wanted = needs.get(kernel_id, preimports.NOTHING).modules
-                if wanted:
-                    await statesync.preimport(kernel, wanted)
-                if snapshot.get(kernel_id):
-                    await self._stage(standby, kernel_id, snapshot[kernel_id], None)
+            await self._follow_kernels(standby, kernels, snapshot)
         except BaseException:
             await self._remove(standby)
             raise
         self.by_workspace[workspace_id] = standby
         return standby
+
+    async def _follow_kernels(self, standby: Standby, kernels: list[tuple[str, str]],
+                              snapshot: dict[str, str]) -> None:
+        """Start the kernels the standby lacks (staging their state), stop the ones
+        the workspace no longer has."""
+        wanted = dict(kernels)
+        for kernel_id in [k for k in standby.kernels if k not in wanted]:
+            await standby.kernels.pop(kernel_id).shutdown()
+            gone = standby.staged.pop(kernel_id, None)
+            if gone is not None:
+                await asyncio.to_thread(shutil.rmtree, gone.directory, True)
+        missing = [(k, name) for k, name in kernels if k not in standby.kernels]
+        if not missing:
+            return
+        needs = await asyncio.to_thread(preimports.snapshot_needs, self.blobs,
+                                        standby.workspace_id, snapshot, self.base_env)
+        for kernel_id, name in missing:
+            kernel = new_kernel(standby.slot, kernel_id, standby.workspace_id, name,
+                                self.sandbox)
+            try:
+                await kernel.start()
+            except BaseException:
+                await kernel.shutdown()
+                raise
+            standby.kernels[kernel_id] = kernel
+            modules = needs.get(kernel_id, preimports.NOTHING).modules
+            if modules:
+                await statesync.preimport(kernel, modules)
+            if snapshot.get(kernel_id):
+                await self._stage(standby, kernel_id, snapshot[kernel_id], None)
 
     async def stage(self, workspace_id: str, generation: int, kernel_id: str, key: str,
                     cell: int | None) -> Standby:

@@ -125,25 +125,36 @@ class StandbyKeeper:
         config = self.platform.config
         with self.platform.db.transaction(write=False) as session:
             now = self.platform.db.now(session)
-            alive = {a.id: a for a in session.execute(select(Agent).where(
-                Agent.last_heartbeat_at >= hosts.alive_since(now, config.agent_timeout_s),
-                Agent.draining_since.is_(None))).scalars()}
-            every = {a.id: a.url for a in session.execute(select(Agent)).scalars()}
+            beating = {a.id: a for a in session.execute(select(Agent).where(
+                Agent.last_heartbeat_at >= hosts.alive_since(now, config.agent_timeout_s)
+            )).scalars()}
+            # A draining host gets no new standby, and its standbys are dropped.
+            alive = {h: a for h, a in beating.items() if a.draining_since is None}
             rows = {(r.workspace_id, r.host_id): r for r in session.execute(
                 select(StandbyReplica)).scalars()}
+            running = list(session.execute(select(Workspace).where(
+                Workspace.state == WorkspaceState.RUNNING,
+                Workspace.gpu_placement.is_not(None))).scalars())
+            kernels: dict[str, list[tuple[str, str]]] = {ws.id: [] for ws in running}
+            for ws_id, kernel_id, name in session.execute(
+                    select(Kernel.workspace_id, Kernel.id, Kernel.name)
+                    .where(Kernel.workspace_id.in_(list(kernels)))
+                    .order_by(Kernel.created_at)).tuples():
+                kernels[ws_id].append((kernel_id, name))
             wanted: list[Want] = []
             keep: set[tuple[str, str]] = set()
-            for ws in session.execute(select(Workspace).where(
-                    Workspace.state == WorkspaceState.RUNNING,
-                    Workspace.gpu_placement.is_not(None))).scalars():
+            for ws in running:
                 for host_id in _replica_hosts(ws, model):
                     agent = alive.get(host_id)
                     if agent is None:
                         continue
                     keep.add((ws.id, host_id))
                     row = rows.get((ws.id, host_id))
-                    if row is None or row.boot_id != agent.boot_id:
-                        wanted.append(self._want(session, ws, agent))
+                    # Made again (idempotent on the agent) when the host restarted, or
+                    # to follow the workspace's kernels (one started since).
+                    if row is None or row.boot_id != agent.boot_id or \
+                            set(row.staged or {}) != {kid for kid, _ in kernels[ws.id]}:
+                        wanted.append(self._want(session, ws, agent, kernels[ws.id]))
             # A workspace on its way to a host (its executor was lost, or it moves for
             # a cell's GPUs) keeps its standbys: the placement promotes one.
             placing = {ws.id for ws in session.execute(select(Workspace).where(
@@ -151,22 +162,20 @@ class StandbyKeeper:
                 Workspace.desired_state == DesiredState.RUNNING,
                 Workspace.state.in_((WorkspaceState.RESUMING, WorkspaceState.SUSPENDING))
             )).scalars()}
-            stale = [(ws_id, host_id, every.get(host_id) if host_id in alive else None)
+            stale = [(ws_id, host_id, beating[host_id].url if host_id in beating else None)
                      for (ws_id, host_id) in rows
                      if (ws_id, host_id) not in keep
                      and not (ws_id in placing and host_id in alive)]
         return wanted, stale
 
     @staticmethod
-    def _want(session: Any, ws: Workspace, agent: Agent) -> Want:
-        kernels = tuple((k.id, k.name) for k in session.execute(
-            select(Kernel).where(Kernel.workspace_id == ws.id)
-            .order_by(Kernel.created_at)).scalars())
+    def _want(session: Any, ws: Workspace, agent: Agent,
+              kernels: list[tuple[str, str]]) -> Want:
         project = session.get(Project, ws.project_id)
         limits = project.kernel_limits if project is not None else None
         network = project.kernel_network if project is not None else None
         gpus = int((ws.resources or {}).get("gpus", 0) or 0)
-        return Want(ws.id, agent.id, agent.url, agent.boot_id, ws.generation, kernels,
+        return Want(ws.id, agent.id, agent.url, agent.boot_id, ws.generation, tuple(kernels),
                     ws.snapshot, limits, network, gpus)
 
     async def _make(self, want: Want) -> None:

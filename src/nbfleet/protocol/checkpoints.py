@@ -50,7 +50,9 @@ class StageCheckpoint(BaseModel):
 
 
 class StagedKernel(BaseModel):
-    key: str
+    """A kernel a standby keeps, and the checkpoint staged for it (None: none yet)."""
+
+    key: str | None = None
     cell: int | None = None
 
 

@@ -125,6 +125,13 @@ class NotebookOS(FleetPolicy):
         return None
 
     # ------------------------------------------------------------ host loss
+    def add_host(self, host: Host, now: float) -> list[Decision]:
+        """As the base class; kernels left short of replicas (a host lost, or drained,
+        while no other had room) get one on the new host. O(kernels): hosts join
+        rarely."""
+        decisions = super().add_host(host, now)
+        return decisions + self.fill_replicas()
+
     def lose_host(self, host_id: str, now: float) -> list[Decision]:
         """As the base class, then each kernel that lost a replica with the host gets
         one on another host where one fits (its standby is made there)."""
