@@ -111,3 +111,40 @@ def test_layers_are_deterministic_skip_caches_and_round_trip(tmp_path: Path) -> 
     store.put(key, b"garbage")
     with pytest.raises(CorruptSnapshot):
         restore_layer(store, WS, key, str(tmp_path / "again"))
+
+
+def test_a_staged_download_links_the_blobs_it_has_and_fetches_the_rest(tmp_path: Path) -> None:
+    store = BlobStore(str(tmp_path / "store"))
+    kernel_dir = tmp_path / "k1"
+    write_state(kernel_dir, {"a": b"alpha" * 100})
+    first = upload_state(store, WS, "k1", str(kernel_dir))
+    staged = tmp_path / "staged-1"
+    staged.mkdir()
+    download_state(store, WS, first.key, str(staged))
+    write_state(kernel_dir, {"a": b"alpha" * 100, "b": b"beta" * 100})
+    second = upload_state(store, WS, "k1", str(kernel_dir))
+    again = tmp_path / "staged-2"
+    again.mkdir()
+    download_state(store, WS, second.key, str(again), reuse=str(staged))
+    (digest_a,) = [p.name for p in (staged / "blobs").iterdir()]
+    assert os.path.samefile(staged / "blobs" / digest_a, again / "blobs" / digest_a)
+    assert len(list((again / "blobs").iterdir())) == 2
+
+
+def test_a_manifest_naming_a_path_for_a_blob_never_reaches_the_file_system(
+        tmp_path: Path) -> None:
+    """The kernel writes its manifest: a "digest" of ``../../x`` is refused before it
+    is joined to any path (a staged download links blobs by name: this one would
+    link ``tmp/outside`` as ``tmp/t1/t2/outside``)."""
+    store = BlobStore(str(tmp_path / "store"))
+    (tmp_path / "outside").write_text("secret")
+    staged = tmp_path / "staged"
+    (staged / "blobs").mkdir(parents=True)
+    target = tmp_path / "t1" / "t2" / "target"
+    target.mkdir(parents=True)
+    key = f"workspaces/{WS}/snapshots/k1/evil.json"
+    store.put(key, json.dumps({"format": 1, "values": {},
+                               "blobs": ["../../outside"]}).encode())
+    with pytest.raises(CorruptSnapshot, match="not a SHA-256 digest"):
+        download_state(store, WS, key, str(target), reuse=str(staged))
+    assert not (tmp_path / "t1" / "t2" / "outside").exists()

@@ -69,10 +69,14 @@ def sha256_file(path: str) -> str:
 
 
 def _referenced(manifest: dict[str, Any]) -> list[str]:
+    """The manifest's blobs, each checked to be a digest before any is used in a
+    path (the kernel wrote the manifest: ``../x`` must never reach ``os.link``)."""
     blobs = manifest.get("blobs", [])
     if not isinstance(blobs, list) or not all(isinstance(b, str) for b in blobs):
         raise CorruptSnapshot("the manifest's blob list is malformed")
-    return list(blobs)
+    for digest in blobs:
+        cas_key("check", digest)
+    return list(dict.fromkeys(blobs))
 
 
 def upload_state(store: BlobStore, workspace_id: str, kernel_id: str, state_dir: str) -> Uploaded:
