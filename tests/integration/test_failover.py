@@ -11,6 +11,8 @@ decision, also runs on PostgreSQL.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -43,6 +45,11 @@ def _workspace(client: httpx.Client, ws: str) -> dict[str, Any]:
     response.raise_for_status()
     body: dict[str, Any] = response.json()
     return body
+
+
+def _heartbeat(cluster: Cluster, host_id: str) -> str:
+    agents = cluster.admin().get("/v1/admin/agents").json()["items"]
+    return str(next(x["last_heartbeat_at"] for x in agents if x["id"] == host_id))
 
 
 def _saved_cell(client: httpx.Client, ws: str, kernel: str) -> int | None:
@@ -195,3 +202,42 @@ def test_a_checkpoint_from_a_host_that_no_longer_runs_the_workspace_is_refused(
         # The kernel's own next checkpoint is kept.
         assert outcome(run_cell(cluster, client, ws, kernel, "v = 2\nprint(v)")) == "2\n"
         wait_until(lambda: _saved_cell(client, ws, kernel) == 2, 30, what="checkpoint 2")
+
+
+@pytest.mark.db_agnostic  # the fencing's database side is the test above
+def test_a_host_presumed_dead_that_comes_back_cannot_bring_back_old_state(
+        tmp_path: Path) -> None:
+    """The agent stalls (SIGSTOP) past the heartbeat timeout: the workspace is placed
+    on the other host and a cell changes ``x`` there. The stalled host wakes up with
+    its old runtime still in memory; when the workspace later lands on it again, that
+    runtime is replaced, not adopted, and the kernel has the newer ``x``."""
+    with running_cluster(tmp_path) as cluster:
+        client = cluster.new_user()
+        ws = create_running(client, "zombie")
+        kernel = start_kernel(client, ws)
+        a = _workspace(client, ws)["host_id"]
+        cluster.start_agent("agent2")
+        b = next(h for h in agent_names(cluster) if h != a)
+        assert outcome(run_cell(cluster, client, ws, kernel, "x = 'old'\nprint(x)")) == "old\n"
+        wait_until(lambda: _saved_cell(client, ws, kernel) == 1, 30, what="checkpoint 1")
+        stalled = cluster.agents[agent_names(cluster)[a]]
+        os.killpg(stalled.pid, signal.SIGSTOP)
+        try:
+            wait_until(lambda: _workspace(client, ws)["state"] == "running"
+                       and _workspace(client, ws)["host_id"] == b, 90,
+                       what="the workspace placed on the other host")
+            assert outcome(run_cell(cluster, client, ws, kernel, "x = 'new'\nprint(x)")) \
+                == "new\n"
+            wait_until(lambda: (_workspace(client, ws)["snapshot"] or {}).get(
+                "cells", {}).get(kernel) is not None, 30, what="checkpoint on b")
+        finally:
+            before = _heartbeat(cluster, a)
+            os.killpg(stalled.pid, signal.SIGCONT)
+        wait_until(lambda: _heartbeat(cluster, a) != before, 30,
+                   what="the stalled host heartbeating again")
+        drained = cluster.admin().post(f"/v1/admin/hosts/{b}/drain")
+        assert drained.status_code in (200, 202), drained.text
+        wait_until(lambda: _workspace(client, ws)["state"] == "running"
+                   and _workspace(client, ws)["host_id"] == a, 90,
+                   what="the workspace back on the host that stalled")
+        assert outcome(run_cell(cluster, client, ws, kernel, "print(x)")) == "new\n"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -30,6 +31,8 @@ class FakeKernel:
         self.flushes = 0
         self.flush_s = 0.05
         self.on_cell_done: Any = None
+        self.restarts = 0
+        self.changes = True
         self.writers: list[asyncio.Task[None]] = []
 
     async def execute_internal(self, code: str, timeout_s: float,
@@ -45,6 +48,9 @@ class FakeKernel:
         async def write() -> None:
             await asyncio.sleep(self.flush_s)
             ok = self.count == count
+            if ok:  # the namespace as of that cell (the same, if the cell changed nothing)
+                (Path(self.state_dir) / "manifest.json").write_text(json.dumps(
+                    {"n": count if self.changes else 0, "created": time.time()}))
             (Path(self.state_dir) / "checkpoint.json").write_text(json.dumps(
                 {"seq": seq, "ok": ok, "reason": None if ok else "a cell started"}))
         self.writers.append(asyncio.create_task(write()))
@@ -62,7 +68,7 @@ def _setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                           list[Done], list[str], list[int]]:
     kernel = FakeKernel(tmp_path)
     uploads = iter(range(1, 100))
-    monkeypatch.setattr(statesync, "upload", lambda store, ws, k: {
+    monkeypatch.setattr(statesync, "upload", lambda store, ws, k, known: {
         "key": f"snap/{next(uploads)}", "bytes": 10, "written": 10})
     deleted: list[str] = []
     reported: list[int] = []
@@ -120,4 +126,27 @@ def test_no_flush_is_sent_ahead_of_a_cell_waiting_in_the_kernel(
         kernel.cell()  # forgotten: nothing more
         await asyncio.sleep(0.1)
         assert kernel.flushes == 1
+    asyncio.run(main())
+
+
+def test_a_cell_that_changed_nothing_is_recorded_without_an_upload(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its snapshot holds what the last one held (only the creation time differs):
+    the same key is reported for the later cell, and nothing is sent again."""
+    async def main() -> None:
+        kernel, _keeper, done, deleted, reported = _setup(
+            tmp_path, monkeypatch, [CheckpointRecorded(kept=True),
+                                    CheckpointRecorded(kept=True),
+                                    CheckpointRecorded(kept=True, replaced="snap/1")])
+        kernel.changes = False
+        kernel.cell()
+        await asyncio.sleep(0.2)
+        kernel.cell()  # printed something: the namespace is the same
+        await asyncio.sleep(0.2)
+        kernel.changes = True
+        kernel.cell()
+        await asyncio.sleep(0.2)
+        assert reported == [1, 2, 3]
+        assert [d.key for d in done] == ["snap/1", "snap/1", "snap/2"]
+        assert deleted == ["snap/1"]
     asyncio.run(main())

@@ -137,7 +137,7 @@ def create_agent_app(service: AgentService) -> FastAPI:
 
     @api.delete("/standbys/{workspace_id}", status_code=204)
     async def drop_standby(workspace_id: str) -> None:
-        await service.manager.standbys.drop(workspace_id)
+        await service.manager.drop_standby(workspace_id)
 
     @api.post("/runtimes/{workspace_id}/kernels", status_code=201)
     async def add_kernel(workspace_id: str, body: AddKernel) -> KernelModel:

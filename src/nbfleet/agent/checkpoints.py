@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import time
@@ -58,7 +59,7 @@ CHECKPOINT_MARK = "checkpoint.json"
 MARK_LIMIT = 64 << 10
 #: How often the agent looks whether the kernel has written its checkpoint.
 MARK_POLL_S = 0.005
-REQUEST_TIMEOUT_S = 30.0
+REQUEST_TIMEOUT_S = 10.0
 
 #: (workspace id, generation, kernel id, the upload, its cell) -> the control plane's answer.
 Report = Callable[[str, int, str, dict[str, Any], int], Awaitable[CheckpointRecorded]]
@@ -72,6 +73,11 @@ class _Due:
     task: asyncio.Task[None] | None = None
     #: Checkpoints this agent uploaded that the control plane may still name.
     ours: set[str] = field(default_factory=set)
+    #: Blob digests known to be in the store (not asked again).
+    known: set[str] = field(default_factory=set)
+    #: The last upload, and its manifest's content digest (``_content_digest``).
+    last: dict[str, Any] | None = None
+    content: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,20 +145,31 @@ class Checkpointer:
     async def _checkpoint(self, due: _Due, since: float) -> None:
         kernel = due.kernel
         workspace_id = kernel.workspace_id
+        generation = self.generation(kernel)
+        if generation is None or kernel.execution_state == "dead":
+            return
+        if kernel.cells_pending:  # one came meanwhile: its reply starts the next
+            due.dirty = True
+            return
+        # The kernel writes the snapshot on its own thread: nothing of the agent's
+        # waits meanwhile (a suspend, an API write), only this task.
+        self._seq += 1
+        cell = await _flush(kernel, self._seq)
+        if cell is None:
+            if kernel.cells_pending:
+                due.dirty = True  # abandoned for the next cell: its reply tries again
+            return
         async with self.lock(workspace_id):
-            generation = self.generation(kernel)
-            if generation is None or kernel.execution_state == "dead":
-                return
-            if kernel.cells_pending:  # one came while we waited: its reply starts the next
-                due.dirty = True
-                return
-            self._seq += 1
-            cell = await _flush(kernel, self._seq)
-            if cell is None:
-                if kernel.cells_pending:
-                    due.dirty = True  # abandoned for the next cell: its reply tries again
-                return
-            saved = await asyncio.to_thread(statesync.upload, self.blobs, workspace_id, kernel)
+            if self.generation(kernel) != generation or kernel.execution_state == "dead":
+                return  # suspended, moved or released meanwhile: it saved its own state
+            assert kernel.state_dir is not None
+            content = await asyncio.to_thread(_content_digest, kernel.state_dir)
+            if content is not None and content == due.content and due.last is not None:
+                saved = dict(due.last)  # nothing changed: the same snapshot, a later cell
+            else:
+                saved = await asyncio.to_thread(statesync.upload, self.blobs, workspace_id,
+                                                kernel, due.known)
+                due.content, due.last = content, dict(saved, written=0)
         key = str(saved["key"])
         # Not deleted if this fails: the control plane may have kept it.
         recorded = await self.report(workspace_id, generation, kernel.id, saved, cell)
@@ -183,6 +200,7 @@ async def _flush(kernel: KernelProcess, seq: int) -> int | None:
     cell it includes, or None (it failed, or a cell started first)."""
     if kernel.state_dir is None:
         return None
+    restarts = kernel.restarts
     try:
         reply = await kernel.execute_internal(CHECKPOINT.format(seq=seq), REQUEST_TIMEOUT_S,
                                               {"count": COUNT})
@@ -203,11 +221,27 @@ async def _flush(kernel: KernelProcess, seq: int) -> int | None:
             log.info("checkpoint of kernel %s not taken: %s", kernel.id,
                      str(mark.get("reason"))[:200])
             return None
-        if kernel.execution_state == "dead":
-            return None
+        if kernel.execution_state == "dead" or kernel.restarts != restarts:
+            return None  # the process that was asked is gone
         await asyncio.sleep(MARK_POLL_S)
     log.warning("kernel %s did not write its checkpoint in time", kernel.id)
     return None
+
+
+def _content_digest(state_dir: str) -> str | None:
+    """What the manifest holds, without its creation time: equal for two snapshots
+    of a namespace that did not change (a cell that only printed)."""
+    try:
+        with beneath.directory(state_dir) as folder, \
+                beneath.open_regular(folder, "manifest.json") as opened:
+            raw = beneath.read_fd(opened[0], statesync.REPORT_LIMIT) if opened else None
+        body = json.loads(raw) if raw is not None else None
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(body, dict):
+        return None
+    body.pop("created", None)
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 def _read_mark(state_dir: str) -> dict[str, Any] | None:

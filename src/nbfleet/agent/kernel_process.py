@@ -219,6 +219,9 @@ class KernelProcess:
         self.bindings = KernelBindings()
         #: Clients' execute requests sent to the kernel and not replied to yet.
         self.cells_pending: set[str] = set()
+        #: How many times the process was restarted (a checkpoint waiting on the old
+        #: process gives up when it changes).
+        self.restarts = 0
         #: Called after each client cell's execute_reply (``agent/checkpoints``).
         self.on_cell_done: Callable[[KernelProcess], None] = lambda kernel: None
 
@@ -378,6 +381,8 @@ class KernelProcess:
                 self._broadcast_status("restarting")
             self._requesters.clear()
             self.cells_pending.clear()
+            self.restarts += 1
+            self._fail_waiters("the kernel restarted")
             # Every cell the old process had ends; those held for the new one stay.
             self.bindings.end_all(keep=[message.msg_id for _, message in self._held])
             await self.manager.restart_kernel(now=True)
@@ -388,7 +393,15 @@ class KernelProcess:
         async with self._lifecycle:
             await self._shutdown()
 
+    def _fail_waiters(self, why: str) -> None:
+        """The agent's own requests to a process that is gone end now, not at their
+        timeouts (a checkpoint or a flush waiting on a restarted kernel)."""
+        for waiter in self._waiters.values():
+            if not waiter.done():
+                waiter.set_exception(TimeoutError(why))
+
     async def _shutdown(self) -> None:
+        self._fail_waiters("the kernel was shut down")
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -492,7 +505,8 @@ class KernelProcess:
 
     def _forward(self, client: Client, message: ClientMessage) -> None:
         assert self.codec is not None
-        if message.channel == "shell" and message.msg_type == "execute_request":
+        if message.channel == "shell" and message.msg_type == "execute_request" \
+                and _changes_state(message):
             if len(self.cells_pending) >= REQUESTER_LIMIT:  # a kernel that never replies
                 self.cells_pending.clear()
             self.cells_pending.add(message.msg_id)
@@ -539,9 +553,11 @@ class KernelProcess:
         if channel == "shell" and message.msg_type == "execute_reply":
             if self.bindings:
                 self.bindings.end(parent)
-            if parent is not None:
+            # Only a reply to a cell a client sent (not to a silent request, nor one
+            # the kernel made up) counts as a cell done.
+            if parent is not None and parent in self.cells_pending:
                 self.cells_pending.discard(parent)
-            self.on_cell_done(self)
+                self.on_cell_done(self)
         target = self._requesters.get(parent) if parent else None
         if channel in ("shell", "control") and parent is not None:
             self._requesters.pop(parent, None)
@@ -587,3 +603,13 @@ class KernelProcess:
             connections=len(self.clients),
             last_death=self.last_death,
         )
+
+
+def _changes_state(message: ClientMessage) -> bool:
+    """Whether a client's execute_request is a cell that may change the kernel's
+    state (a silent one, as variable inspectors send, is not checkpointed)."""
+    try:
+        content = json.loads(message.parts[3]) if len(message.parts) > 3 else {}
+    except (ValueError, UnicodeDecodeError):
+        return True
+    return not (isinstance(content, dict) and content.get("silent") is True)

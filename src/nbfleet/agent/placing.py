@@ -112,9 +112,8 @@ async def promote(manager: RuntimeManager, standby: Standby, generation: int,
     placed = Placed(runtime)
     try:
         runtime.manifest = await promote_files(manager.files, workspace_id, standby.slot)
-        placed.packages = ({"restored": True} if packages == standby.packages else
-                           await asyncio.to_thread(manager._restore_layer, workspace_id,
-                                                   packages, standby.slot))
+        # The caller promotes only a standby made with these packages.
+        placed.packages = {"restored": packages is not None}
         for kernel_id, name in kernels:
             kernel = standby.kernels.pop(kernel_id, None)
             path = "standby"
@@ -139,7 +138,7 @@ async def promote(manager: RuntimeManager, standby: Standby, generation: int,
     finally:
         for kernel in standby.kernels.values():  # not wanted any more
             await kernel.shutdown()
-        for left in standby.staged.values():
+        for left in list(standby.staged.values()):
             await asyncio.to_thread(shutil.rmtree, left.directory, True)
     manager.runtimes[workspace_id] = runtime
     manager._start_sync(runtime)

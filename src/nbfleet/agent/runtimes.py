@@ -114,20 +114,40 @@ class RuntimeManager:
         async with self._lock(workspace_id):
             self._fence(workspace_id, generation)
             runtime = self.runtimes.get(workspace_id)
-            if runtime is None and (standby := self.standbys.take(workspace_id)) is not None:
-                return await placing.promote(self, standby, generation, wanted,
-                                             snapshot or {}, packages, notices or {})
+            if runtime is not None and runtime.generation < generation:
+                # A placement is asked for only when the last one ended (released,
+                # moved, or lost with its host): a runtime still here from an older
+                # one is a placement the control plane gave up on (this host was
+                # presumed dead), with state older than the store's. Replaced.
+                log.warning("replacing a stale runtime of %s (generation %d < %d)",
+                            workspace_id, runtime.generation, generation)
+                await self._teardown(runtime, sync=False)
+                runtime = None
             if runtime is None:
                 devices = self.gpu_devices if gpus else ()
+                slot_args = (self.isolation.limits.over(limits), network, devices)
+                standby = self.standbys.take(workspace_id)
+                if standby is not None:
+                    async with standby.lock:  # a stage still running ends first
+                        if standby.slot_args == slot_args and standby.packages == packages:
+                            return await placing.promote(self, standby, generation, wanted,
+                                                         snapshot or {}, packages,
+                                                         notices or {})
+                    # Made with other limits, network or packages: a layer is never
+                    # unpacked where the workspace's code has run already.
+                    await self.standbys.discard(standby)
                 return await placing.place(self, workspace_id, generation, wanted,
-                                           snapshot or {}, packages,
-                                           self.isolation.limits.over(limits), network,
-                                           devices, notices or {})
+                                           snapshot or {}, packages, *slot_args,
+                                           notices or {})
             runtime.generation = generation
             for kernel_id, name in wanted:
                 if kernel_id not in runtime.kernels:
                     await self._start_kernel(runtime, kernel_id, name)
             return Placed(runtime)
+
+    async def drop_standby(self, workspace_id: str) -> bool:
+        async with self._lock(workspace_id):
+            return await self.standbys.drop(workspace_id)
 
     async def keep_standby(self, workspace_id: str, generation: int,
                            kernels: Iterable[tuple[str, str]], snapshot: dict[str, str],

@@ -15,7 +15,9 @@ already running. That saves the kernel start, the imports and the download; the
 values themselves are loaded at promotion, not kept loaded between cells.
 
 No client can reach a standby's kernels: they are not in the host's kernel table,
-and they run nothing but the agent's own requests.
+and no client request reaches them. They do run code of the workspace's own as
+they start (its package layer's, e.g. a ``sitecustomize``), in the workspace's
+sandbox, with its limits, on the replica host.
 """
 
 from __future__ import annotations
@@ -58,6 +60,9 @@ class Standby:
     kernels: dict[str, KernelProcess] = field(default_factory=dict)
     #: The package layer restored into the slot.
     packages: str | None = None
+    #: What its slot was made with (limits, network, devices): a promotion needs
+    #: the same, or the workspace is placed afresh.
+    slot_args: tuple[object, ...] = ()
     staged: dict[str, Staged] = field(default_factory=dict)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -99,8 +104,11 @@ class Standbys:
             async with standby.lock:
                 await self._follow_kernels(standby, kernels, snapshot)
             return standby
-        slot = await asyncio.to_thread(self.new_slot, workspace_id, *slot_args)
-        standby = Standby(workspace_id, generation, slot, packages=packages)
+        # A name of its own: a runtime of the workspace may be made here while the
+        # standby is being dropped, and must not share its root, cgroup or sockets.
+        slot = await asyncio.to_thread(self.new_slot, f"{workspace_id}-standby", *slot_args)
+        standby = Standby(workspace_id, generation, slot, packages=packages,
+                          slot_args=slot_args)
         try:
             await asyncio.to_thread(filesync.materialize, self.files, workspace_id, slot.files,
                                     slot.owner)
@@ -176,16 +184,22 @@ class Standbys:
             await asyncio.to_thread(shutil.rmtree, old.directory, True)
 
     def take(self, workspace_id: str) -> Standby | None:
-        """The standby, handed over for a promotion (it is no longer a standby)."""
+        """The standby, handed over for a promotion (it is no longer a standby: a
+        stage still running finishes first, under ``standby.lock``, which the
+        promotion takes; later ones find none). The caller holds the workspace's
+        lock, as for :meth:`drop` and :meth:`keep`."""
         return self.by_workspace.pop(workspace_id, None)
 
     async def drop(self, workspace_id: str) -> bool:
         standby = self.by_workspace.pop(workspace_id, None)
         if standby is None:
             return False
+        await self.discard(standby)
+        return True
+
+    async def discard(self, standby: Standby) -> None:
         async with standby.lock:
             await self._remove(standby)
-        return True
 
     async def shutdown(self) -> None:
         for workspace_id in list(self.by_workspace):

@@ -108,9 +108,10 @@ async def flush(kernel: KernelProcess) -> bool:
     return await asyncio.to_thread(os.path.exists, manifest)
 
 
-def upload(store: BlobStore, workspace_id: str, kernel: KernelProcess) -> dict[str, Any]:
+def upload(store: BlobStore, workspace_id: str, kernel: KernelProcess,
+           known: set[str] | None = None) -> dict[str, Any]:
     assert kernel.state_dir is not None
-    uploaded = upload_state(store, workspace_id, kernel.id, kernel.state_dir)
+    uploaded = upload_state(store, workspace_id, kernel.id, kernel.state_dir, known)
     return {"key": uploaded.key, "bytes": uploaded.bytes_total, "written": uploaded.bytes_written}
 
 

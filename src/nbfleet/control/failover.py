@@ -66,13 +66,19 @@ def _stale(ws: Workspace, body: CellCheckpoint) -> str | None:
         return f"the workspace is {ws.state}"
     if ws.host_id != body.agent_id or ws.host_boot_id != body.boot_id:
         return "the workspace runs elsewhere now"
-    if ws.generation != body.generation:
-        return f"generation {body.generation} is not the workspace's ({ws.generation})"
+    if ws.placed_generation != body.generation:
+        return (f"generation {body.generation} is not the placement's "
+                f"({ws.placed_generation})")
     return None
 
 
 def mark_host_lost(ws: Workspace, now: datetime, reason: str) -> None:
-    """The runtime on ``ws.host_id`` is gone: its kernels restart from what was saved."""
+    """The runtime on ``ws.host_id`` is gone: its kernels restart from what was saved.
+
+    The generation moves on: a host presumed dead that still runs the old runtime
+    is fenced off (its checkpoints are refused, and a placement back on it replaces
+    that runtime instead of adopting it: ``RuntimeManager.ensure``)."""
+    ws.generation += 1
     snapshot = dict(ws.snapshot or {})
     snapshot["host_lost"] = {"host": ws.host_id, "at": iso(now), "reason": reason[:500]}
     ws.snapshot = snapshot

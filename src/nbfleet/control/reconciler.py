@@ -296,8 +296,9 @@ class Reconciler:
                 project = session.get(Project, ws.project_id)
                 if project is not None:
                     limits, network = project.kernel_limits, project.kernel_network
+            placing = step.action is Action.PLACE and host is not None
             notices = (failover.notices(ws.snapshot, [kid for kid, _ in kernels], host.id)
-                       if step.action is Action.PLACE and host is not None else {})
+                       if placing and host is not None else {})
             return Work(ws.id, step, ws.generation, WorkspaceState(ws.state),
                         host.url if host else None, kernels, ws.snapshot, limits, network,
                         spec.gpus, ws.move_to is not None, notices)
@@ -348,6 +349,8 @@ class Reconciler:
             if ws is None or ws.state != work.expect_state:
                 return False
             transition(session, ws, work.step.done, now, f"{work.step.action} done")
+            if work.step.action is Action.PLACE:
+                ws.placed_generation = work.generation
             if result is not None:
                 record(ws, work, result, now)
             if work.step.action is not Action.PLACE:

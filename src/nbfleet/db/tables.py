@@ -125,6 +125,9 @@ class Workspace(Base):
     #: The host the scheduler moves the kernel to (a cell's GPUs are there): its
     #: state is saved, and the next placement starts it on this host.
     move_to: Mapped[str | None] = mapped_column(String(40))
+    #: The generation its runtime was placed with: a checkpoint's fencing token,
+    #: with the host and its boot (``failover``).
+    placed_generation: Mapped[int | None]
     created_at: Mapped[datetime]
     updated_at: Mapped[datetime]
 

@@ -79,11 +79,14 @@ def _referenced(manifest: dict[str, Any]) -> list[str]:
     return list(dict.fromkeys(blobs))
 
 
-def upload_state(store: BlobStore, workspace_id: str, kernel_id: str, state_dir: str) -> Uploaded:
+def upload_state(store: BlobStore, workspace_id: str, kernel_id: str, state_dir: str,
+                 known: set[str] | None = None) -> Uploaded:
     """Upload a kernel's flushed state; the manifest goes last.
 
     The kernel owns ``state_dir`` and may still run: each file is opened without
-    following a link and uploaded through that descriptor.
+    following a link and uploaded through that descriptor. ``known``: digests this
+    caller saw in the store already (not asked again: a HEAD each on S3); those
+    uploaded or found are added.
     """
     with beneath.directory(state_dir) as top, beneath.open_regular(top, MANIFEST) as opened:
         if opened is None:
@@ -100,13 +103,15 @@ def upload_state(store: BlobStore, workspace_id: str, kernel_id: str, state_dir:
             if blob is None:
                 raise CorruptSnapshot(f"blob {digest[:12]} is not a regular file")
             size = blob[1].st_size
-            if store.exists(key):
+            if (known is not None and digest in known) or store.exists(key):
                 return size, 0
             store.put_file(key, beneath.fd_path(blob[0]))
         return size, size
 
     with ThreadPoolExecutor(_PARALLEL) as pool:
         sizes = list(pool.map(upload, blobs))
+    if known is not None:
+        known.update(blobs)
     key = manifest_key(workspace_id, kernel_id)
     store.put(key, raw)
     return Uploaded(key, len(raw) + sum(s for s, _ in sizes), len(raw) + sum(w for _, w in sizes))

@@ -1,4 +1,4 @@
-"""standby replicas: standby_replicas
+"""standby replicas: standby_replicas; workspaces.placed_generation
 
 Revision ID: 0009
 Revises: 0008
@@ -19,6 +19,8 @@ depends_on = None
 
 
 def upgrade() -> None:
+    with op.batch_alter_table('workspaces') as batch:
+        batch.add_column(sa.Column('placed_generation', sa.Integer(), nullable=True))
     op.create_table(
         'standby_replicas',
         sa.Column('workspace_id', sa.String(length=40), nullable=False),
@@ -34,3 +36,5 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     op.drop_table('standby_replicas')
+    with op.batch_alter_table('workspaces') as batch:
+        batch.drop_column('placed_generation')
