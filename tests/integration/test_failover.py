@@ -149,7 +149,7 @@ def test_a_killed_host_s_kernel_continues_elsewhere_from_its_last_cell(
         assert stdout == "41 42 True written early 1 False\n", stdout
         assert time.monotonic() - started < 60
         assert f"({a}) was lost" in told and f"restarted on {b}" in told, told
-        assert "as they were after cell [3]" in told, told
+        assert "come from the state saved after cell [3]" in told, told
         assert "1 cell(s) running or queued when the host was lost were interrupted" in told
 
         restore = _workspace(client, ws)["restore"]

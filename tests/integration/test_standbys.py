@@ -73,14 +73,22 @@ async def _lose_the_executor_mid_cell(cluster: Cluster, client: httpx.Client, ws
             "store_history": True, "user_expressions": {}, "allow_stdin": False,
             "stop_on_error": True}, "shell")
         await sock.send(running)
+        queued = sock.message("execute_request", {
+            "code": "queued = 1", "silent": False, "store_history": True,
+            "user_expressions": {}, "allow_stdin": False, "stop_on_error": True}, "shell")
+        await sock.send(queued)  # held by the cell gate behind the running one
         await asyncio.sleep(1.5)
         cluster.kill_agent(agent_names(cluster)[executor])
         lost = await sock.collect(running["header"]["msg_id"], timeout=30)
+        behind = await sock.collect(queued["header"]["msg_id"], timeout=30,
+                                    wait_for_idle=False)
+        assert behind.reply["status"] == "aborted", behind.reply
         await asyncio.to_thread(
             wait_until, lambda: _workspace(client, ws)["state"] == "running"
             and _workspace(client, ws)["host_id"] == other, 90, 0.2,
             "the workspace on the standby's host")
-        after = await sock.execute("print(x, y, pair[0] is pair[1])", timeout=120)
+        after = await sock.execute("print(x, y, pair[0] is pair[1], 'queued' in dir())",
+                                   timeout=120)
         return {"lost": lost.reply, "after": after.stdout if after.status == "ok"
                 else after.reply}
     finally:
@@ -123,7 +131,7 @@ def test_a_standby_is_kept_in_sync_and_promoted_when_the_executor_s_host_dies(
             # its next cell ran on the promoted standby with the last cell's state.
             assert result["lost"]["status"] == "error", result
             assert result["lost"]["ename"] == "HostLost", result
-            assert result["after"] == "41 42 True\n", result
+            assert result["after"] == "41 42 True False\n", result
             restore = _workspace(client, ws)["restore"]
             assert restore["kernels"][kernel]["path"] == "standby", restore
             facts = restore["host_lost"]["kernels"][kernel]

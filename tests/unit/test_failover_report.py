@@ -41,13 +41,24 @@ def test_each_kernel_says_which_cell_its_state_is_from() -> None:
                "cells_not_saved": None, "interrupted": 0},
     }
     told = failover.notices(snapshot, ["k1", "k2", "k3"], "host-b")
-    assert "(host-a) was lost at 01:02:03 UTC (host stopped heartbeating)" in told["k1"]
+    assert "(host-a) was lost at 2026-11-28 01:02:03 UTC (host stopped heartbeating)" \
+        in told["k1"]
     assert "restarted on host-b" in told["k1"]
-    assert "as they were after cell [5]" in told["k1"]
+    assert "come from the state saved after cell [5]" in told["k1"]
     assert "Cells after [5] up to [7] completed, but their state had not reached" in told["k1"]
     assert "1 cell(s) running or queued" in told["k1"]
-    assert "at its last suspend" in told["k2"] and "interrupted" not in told["k2"]
+    assert "from its last suspend" in told["k2"] and "interrupted" not in told["k2"]
     assert "they are lost" in told["k3"]
+
+
+def test_what_a_gateway_saw_of_another_host_is_not_blamed_on_this_loss() -> None:
+    """A kernel shut down mid-cell on host-z left a record; host-a is the one lost."""
+    snapshot = _snapshot(cells={"k1": {"host": "host-z", "last_completed": 9,
+                                       "interrupted": 2}})
+    facts = failover.report(snapshot, ["k1"])
+    assert facts is not None
+    assert facts["kernels"]["k1"]["interrupted"] == 0
+    assert facts["kernels"]["k1"]["last_completed_cell"] is None
 
 
 def test_settle_clears_the_marks_and_keeps_the_state() -> None:

@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 CHANNELS = ("shell", "control", "stdin", "iopub")
 BUFFER_LIMIT = 10_000
 REQUESTER_LIMIT = 10_000
+INTERNAL_LIMIT = 1_000
+_REPLY_SEEN, _IDLE_SEEN = 1, 2
 CLIENT_QUEUE_LIMIT = 10_000
 READY_TIMEOUT_S = 60.0
 HELD_LIMIT = 1000
@@ -167,7 +169,10 @@ class KernelProcess:
         self._unconfirmed: deque[KernelMessage] = deque(maxlen=BUFFER_LIMIT)
         #: msg_id -> the client awaiting its reply. Bounded: comm messages get no reply.
         self._requesters: OrderedDict[str, Client] = OrderedDict()
-        self._internal: set[str] = set()
+        #: The agent's own requests, kept until both their shell reply and their
+        #: iopub idle status arrived (the two sockets deliver in either order):
+        #: none of their messages reaches a client. The value: what arrived so far.
+        self._internal: dict[str, int] = {}
         #: msg_id -> the future its execute_reply resolves (the agent's own requests).
         self._waiters: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self._idle = asyncio.Event()
@@ -289,7 +294,9 @@ class KernelProcess:
     def _send_internal(self, msg_type: str, content: dict[str, Any] | None = None) -> str:
         assert self.codec is not None
         header = _agent_header(msg_type)
-        self._internal.add(header["msg_id"])
+        self._internal[header["msg_id"]] = 0
+        while len(self._internal) > INTERNAL_LIMIT:  # idles that never came
+            del self._internal[next(iter(self._internal))]
         self._sockets["shell"].send_multipart(self.codec.internal(header, content or {}),
                                               copy=True)
         return header["msg_id"]
@@ -315,7 +322,6 @@ class KernelProcess:
             return await asyncio.wait_for(future, timeout_s)
         finally:
             self._waiters.pop(msg_id, None)
-            self._internal.discard(msg_id)
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """True once no cell runs; False if one still runs after ``timeout_s``."""
@@ -532,7 +538,9 @@ class KernelProcess:
         parent = message.parent_msg_id
         if channel == "iopub":
             self._iopub_seen.set()
-            if parent in self._internal:  # our own readiness nudge: not for clients
+            if parent in self._internal:  # the agent's own request: not for clients
+                if message.msg_type == "status" and b'"idle"' in message.content_raw:
+                    self._internal_done(parent, _IDLE_SEEN)
                 return
             if message.msg_type == "status" and self._ready.is_set():
                 state = json.loads(message.content_raw).get("execution_state")
@@ -543,11 +551,13 @@ class KernelProcess:
             self._touch()
             self._broadcast(message)
             return
-        if parent in self._internal:  # kept: its iopub status may still follow
+        if parent in self._internal:
             self._shell_seen.set()
             waiter = self._waiters.get(parent)
             if waiter is not None and not waiter.done() and message.msg_type == "execute_reply":
                 waiter.set_result(json.loads(message.content_raw))
+            if channel == "shell":
+                self._internal_done(parent, _REPLY_SEEN)
             return
         self._touch()
         if channel == "shell" and message.msg_type == "execute_reply":
@@ -565,6 +575,14 @@ class KernelProcess:
             target.offer(message)
         else:
             self._broadcast(message)
+
+    def _internal_done(self, msg_id: str, seen: int) -> None:
+        """Forget an agent request once its reply and its idle status both came."""
+        state = self._internal.get(msg_id, 0) | seen
+        if state == _REPLY_SEEN | _IDLE_SEEN:
+            self._internal.pop(msg_id, None)
+        else:
+            self._internal[msg_id] = state
 
     def _broadcast(self, message: KernelMessage) -> None:
         if not self.clients:

@@ -38,7 +38,7 @@ from nbfleet.agent.slots import Slot, new_kernel
 from nbfleet.model.errors import Conflict, NotFound
 from nbfleet.storage.blobs import BlobStore
 from nbfleet.storage.files import WorkspaceFiles
-from nbfleet.storage.snapshots import download_state
+from nbfleet.storage.snapshots import CorruptSnapshot, download_state
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +149,13 @@ class Standbys:
             if modules:
                 await statesync.preimport(kernel, modules)
             if snapshot.get(kernel_id):
-                await self._stage(standby, kernel_id, snapshot[kernel_id], None)
+                try:
+                    await self._stage(standby, kernel_id, snapshot[kernel_id], None)
+                except (CorruptSnapshot, OSError) as exc:
+                    # Replaced since it was named (the next checkpoint is staged), or
+                    # unusable: the standby is kept warm without it.
+                    log.info("standby of %s: %s not staged: %s", standby.workspace_id,
+                             kernel_id, exc)
 
     async def stage(self, workspace_id: str, generation: int, kernel_id: str, key: str,
                     cell: int | None) -> Standby:
@@ -162,7 +168,10 @@ class Standbys:
                            f"{standby.generation}", current_generation=standby.generation)
         async with standby.lock:
             if self.by_workspace.get(workspace_id) is standby:
-                await self._stage(standby, kernel_id, key, cell)
+                try:
+                    await self._stage(standby, kernel_id, key, cell)
+                except CorruptSnapshot as exc:
+                    raise Conflict(f"checkpoint {key} not staged: {exc}") from exc
         return standby
 
     async def _stage(self, standby: Standby, kernel_id: str, key: str,

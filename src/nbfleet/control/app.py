@@ -77,6 +77,7 @@ def create_app(config: ControlConfig, run_reconciler: bool = True) -> FastAPI:
                 await asyncio.to_thread(leases.release, platform.db, lease, platform.instance_id)
             await asyncio.to_thread(job_intake.close)
             await platform.fleet.aclose()
+            await platform.standbys.aclose()
             await platform.aclose()
 
     app = FastAPI(

@@ -123,6 +123,8 @@ def report(snapshot: dict[str, Any] | None, kernel_ids: list[str]) -> dict[str, 
     for kernel_id in kernel_ids:
         entry = saved.get(kernel_id) or {}
         seen = cells.get(kernel_id) or {}
+        if seen.get("host") != lost.get("host"):
+            seen = {}  # what a gateway saw of another host (a kernel shut down there)
         as_of = entry.get("cell") if entry else None
         last = seen.get("last_completed")
         kernels[kernel_id] = {
@@ -151,15 +153,16 @@ def notices(snapshot: dict[str, Any] | None, kernel_ids: list[str],
 
 
 def _notice(lost: dict[str, Any], facts: dict[str, Any], new_host: str) -> str:
-    when = str(lost.get("at") or "")[11:19]
+    at = str(lost.get("at") or "")
+    when = f"{at[:10]} {at[11:19]}"
     lines = [f"nbfleet: the host this kernel ran on ({lost['host']}) was lost at {when} UTC "
              f"({lost['reason']}); the kernel was restarted on {new_host}."]
     as_of = facts["as_of_cell"]
     if facts["state"] == "after_cell":
-        lines.append(f"Its variables are restored as they were after cell [{as_of}].")
+        lines.append(f"Its variables come from the state saved after cell [{as_of}].")
     elif facts["state"] == "last_suspend":
-        lines.append("Its variables are restored as they were at its last suspend: no "
-                     "cell's state had been saved since.")
+        lines.append("Its variables come from its last suspend: no cell's state had been "
+                     "saved since.")
     else:
         lines.append("None of its variables had been saved: they are lost.")
     last, missing = facts["last_completed_cell"], facts["cells_not_saved"]

@@ -203,13 +203,20 @@ async def _pump_both_ways(client: WebSocket, receive: Receive, upstream: Any,
             cells.sent(frame)
             await upstream.send(frame)
 
+    client_gone = False
+
     async def upstream_to_client() -> None:
+        nonlocal client_gone
         async for frame in upstream:
             cells.received(frame)
-            if isinstance(frame, str):
-                await client.send_text(frame)
-            else:
-                await client.send_bytes(frame)
+            try:
+                if isinstance(frame, str):
+                    await client.send_text(frame)
+                else:
+                    await client.send_bytes(frame)
+            except Exception:  # the client left mid-output: not the kernel's host
+                client_gone = True
+                raise
 
     reader = asyncio.create_task(client_to_upstream())
     tasks = [reader, asyncio.create_task(upstream_to_client())]
@@ -222,7 +229,7 @@ async def _pump_both_ways(client: WebSocket, receive: Receive, upstream: Any,
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         await upstream.close()
-    if reader not in done and cells.pending:
+    if reader not in done and cells.pending and not client_gone:
         return True
     with contextlib.suppress(Exception):
         await client.close(code=RECONNECT)

@@ -51,6 +51,8 @@ STANDBY_SYNC = Histogram(
 PASS_EVERY_S = 1.0
 #: Standbys made at once (each starts kernels on its host).
 PARALLEL = 8
+#: The longest wait before a standby that could not be made is tried again.
+BACKOFF_MAX_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,9 +81,20 @@ class _Sync:
 @dataclass(eq=False)
 class StandbyKeeper:
     platform: Platform
+    #: (workspace, host) -> (failures in a row, not tried again before): a standby
+    #: that cannot be made is not made again every pass (each try starts kernels).
+    _backoff: dict[tuple[str, str], tuple[int, float]] = field(default_factory=dict)
     _last_pass: float = float("-inf")
     _pass: asyncio.Task[None] | None = None
     _syncs: dict[tuple[str, str], _Sync] = field(default_factory=dict)
+
+    async def aclose(self) -> None:
+        """Shutting down: the pass and the syncs in flight stop."""
+        tasks = [t for t in (self._pass, *(s.task for s in self._syncs.values()))
+                 if t is not None and not t.done()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     # ------------------------------------------------------------ the passes
     def kick(self) -> None:
@@ -112,10 +125,20 @@ class StandbyKeeper:
                     await self.platform.agents.drop_standby(url, workspace_id)
             await asyncio.to_thread(self._forget, workspace_id, host_id)
         limit = asyncio.Semaphore(PARALLEL)
+        now = time.monotonic()
+        wanted = [w for w in wanted
+                  if self._backoff.get((w.workspace_id, w.host_id), (0, 0.0))[1] <= now]
 
         async def make(want: Want) -> None:
             async with limit:
-                await self._make(want)
+                made = await self._make(want)
+            pair = (want.workspace_id, want.host_id)
+            if made:
+                self._backoff.pop(pair, None)
+            else:
+                failures = self._backoff.get(pair, (0, 0.0))[0] + 1
+                self._backoff[pair] = (failures, time.monotonic()
+                                       + min(BACKOFF_MAX_S, 2.0 ** failures))
         await asyncio.gather(*(make(want) for want in wanted))
 
     def _plan(self, model: dict[str, list[str]] | None
@@ -178,7 +201,7 @@ class StandbyKeeper:
         return Want(ws.id, agent.id, agent.url, agent.boot_id, ws.generation, tuple(kernels),
                     ws.snapshot, limits, network, gpus)
 
-    async def _make(self, want: Want) -> None:
+    async def _make(self, want: Want) -> bool:
         try:
             state = await self.platform.agents.keep_standby(
                 want.host_url, want.workspace_id, want.generation, list(want.kernels),
@@ -186,10 +209,11 @@ class StandbyKeeper:
         except DomainError as exc:
             log.warning("standby of %s on %s not made: %s", want.workspace_id, want.host_id,
                         exc.detail)
-            return
+            return False
         await asyncio.to_thread(self._record, want.workspace_id, want.host_id, want.boot_id,
                                 state, True)
         log.info("standby of %s kept on %s", want.workspace_id, want.host_id)
+        return True
 
     def _record(self, workspace_id: str, host_id: str, boot_id: str | None,
                 state: StandbyState, made: bool) -> None:

@@ -5,8 +5,8 @@ reply path, then reports its key here. The control plane records it as the
 workspace's latest state for that kernel, so a placement after the host is lost
 restores the last completed cell. The database is the one serialisation point: a
 report is kept only from the host the workspace runs on now, in the boot and
-generation it was placed with (the fencing token), and never replaces a later
-cell's.
+generation it was placed with (the fencing token). One task per kernel on the
+agent reports in order, so within a placement a report follows the one before.
 """
 
 from __future__ import annotations

@@ -86,6 +86,9 @@ class CellGate:
     _replies: dict[str, asyncio.Event] = field(default_factory=dict)
     _worker: asyncio.Task[None] | None = None
     _stops: set[asyncio.Task[None]] = field(default_factory=set)
+    #: The kernel's host was lost with a cell on it: the cells queued behind it are
+    #: aborted (it ended in an error), not sent to the kernel's next host.
+    _host_lost: bool = False
 
     def start(self) -> None:
         self._worker = asyncio.create_task(self._serve())
@@ -117,6 +120,10 @@ class CellGate:
             event = self._replies.get(parent)
             if event is not None:
                 event.set()
+
+    def host_lost(self) -> None:
+        """Called before the relay answers the cell the lost host was running."""
+        self._host_lost = True
 
     def interrupt(self) -> None:
         """Withdraw the cell waiting for GPUs, if any (a running one is the
@@ -203,7 +210,8 @@ class CellGate:
         finally:
             self._replies.pop(request.msg_id, None)
         scheduler.release(task_id)
-        return True
+        lost, self._host_lost = self._host_lost, False
+        return not lost
 
     async def _move(self, request: ClientRequest, scheduler: LiveScheduler, binding: Binding,
                     got: str, first: bool) -> bool:

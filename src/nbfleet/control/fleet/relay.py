@@ -96,6 +96,7 @@ class GpuRelay:
                     if self.upstream is not current:
                         continue
                 if self.cells is not None and self.cells.pending and self.host_gone:
+                    self.gate.host_lost()
                     await self.host_gone(self.here.host_id, self._answer)
                 if not await self._follow():
                     return  # the workspace stopped (suspended, deleted): so do we
