@@ -118,7 +118,7 @@ class StandbyKeeper:
         scheduler = self.platform.fleet.scheduler
         model = (None if scheduler is None else
                  {kid: list(k.hosts) for kid, k in scheduler.policy.kernels.items()})
-        wanted, stale = await asyncio.to_thread(self._plan, model)
+        wanted, stale, lagging = await asyncio.to_thread(self._plan, model)
         for workspace_id, host_id, url in stale:
             if url is not None:
                 with contextlib.suppress(DomainError):
@@ -140,11 +140,17 @@ class StandbyKeeper:
                 self._backoff[pair] = (failures, time.monotonic()
                                        + min(BACKOFF_MAX_S, 2.0 ** failures))
         await asyncio.gather(*(make(want) for want in wanted))
+        # A standby made after the workspace's last checkpoint was sent on (or that
+        # missed one) is brought up to date now, not at the next cell.
+        for workspace_id, generation, kernel_id, key, cell in lagging:
+            await self.checkpointed(workspace_id, generation, kernel_id, key, cell)
 
     def _plan(self, model: dict[str, list[str]] | None
-              ) -> tuple[list[Want], list[tuple[str, str, str | None]]]:
-        """(standbys to make, standbys to drop with their host's URL); ``model``:
-        each kernel's replica hosts in the scheduler (None: as placed)."""
+              ) -> tuple[list[Want], list[tuple[str, str, str | None]],
+                         list[tuple[str, int, str, str, int | None]]]:
+        """(standbys to make, standbys to drop with their host's URL, checkpoints a
+        standby lacks); ``model``: each kernel's replica hosts in the scheduler
+        (None: as placed)."""
         config = self.platform.config
         with self.platform.db.transaction(write=False) as session:
             now = self.platform.db.now(session)
@@ -166,6 +172,7 @@ class StandbyKeeper:
                 kernels[ws_id].append((kernel_id, name))
             wanted: list[Want] = []
             keep: set[tuple[str, str]] = set()
+            lagging: set[tuple[str, int, str, str, int | None]] = set()
             for ws in running:
                 for host_id in _replica_hosts(ws, model):
                     agent = alive.get(host_id)
@@ -178,6 +185,13 @@ class StandbyKeeper:
                     if row is None or row.boot_id != agent.boot_id or \
                             set(row.staged or {}) != {kid for kid, _ in kernels[ws.id]}:
                         wanted.append(self._want(session, ws, agent, kernels[ws.id]))
+                        continue
+                    for kernel_id, saved in ((ws.snapshot or {}).get("kernels") or {}).items():
+                        staged = (row.staged or {}).get(kernel_id) or {}
+                        if isinstance(saved, dict) and saved.get("key") and \
+                                staged.get("key") != saved["key"]:
+                            lagging.add((ws.id, _generation(ws), kernel_id,
+                                         str(saved["key"]), saved.get("cell")))
             # A workspace on its way to a host (its executor was lost, or it moves for
             # a cell's GPUs) keeps its standbys: the placement promotes one.
             placing = {ws.id for ws in session.execute(select(Workspace).where(
@@ -189,7 +203,7 @@ class StandbyKeeper:
                      for (ws_id, host_id) in rows
                      if (ws_id, host_id) not in keep
                      and not (ws_id in placing and host_id in alive)]
-        return wanted, stale
+        return wanted, stale, sorted(lagging, key=lambda item: (item[0], item[2]))
 
     @staticmethod
     def _want(session: Any, ws: Workspace, agent: Agent,
@@ -198,8 +212,8 @@ class StandbyKeeper:
         limits = project.kernel_limits if project is not None else None
         network = project.kernel_network if project is not None else None
         gpus = int((ws.resources or {}).get("gpus", 0) or 0)
-        return Want(ws.id, agent.id, agent.url, agent.boot_id, ws.generation, tuple(kernels),
-                    ws.snapshot, limits, network, gpus)
+        return Want(ws.id, agent.id, agent.url, agent.boot_id, _generation(ws),
+                    tuple(kernels), ws.snapshot, limits, network, gpus)
 
     async def _make(self, want: Want) -> bool:
         try:
@@ -272,6 +286,12 @@ class StandbyKeeper:
                 continue
             STANDBY_SYNC.observe(time.perf_counter() - recorded)
             await asyncio.to_thread(self._record, workspace_id, host_id, None, state, False)
+
+
+def _generation(ws: Workspace) -> int:
+    """The executor's placement's: standbys and their stages carry the generation
+    the executor's checkpoints do (a later one may be a request not acted on)."""
+    return ws.placed_generation or ws.generation
 
 
 def _replica_hosts(ws: Workspace, model: dict[str, list[str]] | None) -> list[str]:
