@@ -191,6 +191,22 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 self.control.kill()
             self.control = None
+        self._reap_orphans()
+
+    def _reap_orphans(self) -> None:
+        """Kernels of agents a test killed with kill -9 outlive them (their sandboxes
+        run in sessions of their own, as on a host whose agent crashed): stop every
+        process still working under this cluster's directory, so a suite of such
+        tests does not pile them up."""
+        root = str(self.root).encode()
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            try:
+                if root in (entry / "cmdline").read_bytes():
+                    os.kill(int(entry.name), signal.SIGKILL)
+            except (OSError, ValueError):
+                continue
 
     # --------------------------------------------------------------- clients
     @property
