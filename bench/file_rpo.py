@@ -29,13 +29,12 @@ import asyncio
 import random
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-from harness import emit, nbfleet_up, p95, stderr, workspace_kernel
+from harness import measured, nbfleet_up, p95, stderr, workspace_kernel
 from nbfleet.agent.livesync import MAX_WAIT_ROUNDS
 from nbfleet.sdk.kernel_socket import KernelSocket
 
@@ -150,14 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.samples < 1 or args.poll_ms <= 0 or any(i <= 0 for i in args.interval or []):
         parser.error("need --samples >= 1, --poll-ms > 0 and --interval > 0")
-    with tempfile.TemporaryDirectory(prefix="nbfleet-bench-") as tmp:
-        try:
-            results = asyncio.run(run(args, Path(tmp)))
-        except KeyboardInterrupt:
-            stderr.print("interrupted; cleaned up")
-            return 130
-    for name, value in results.items():
-        emit(BENCH, name, value)
+    results = measured(BENCH, lambda tmp: run(args, tmp))
+    if results is None:
+        return 130
     for interval in args.interval or [2.0]:
         tag = f"i{interval:g}_"
         within = results[f"{tag}rpo_max_within_stated"] == 1.0

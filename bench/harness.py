@@ -15,9 +15,10 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,21 @@ def emit(bench: str, figure: str, value: float) -> None:
     """One figure as one JSON line on stdout."""
     print(json.dumps({"bench": bench, "figure": figure, "value": round(value, 3)},
                      separators=(",", ":")), flush=True)
+
+
+def measured(bench: str, run: Callable[[Path], Coroutine[Any, Any, dict[str, float]]]
+             ) -> dict[str, float] | None:
+    """Run a benchmark in a temporary directory and emit its figures; None when it
+    was interrupted (everything it started is stopped on the way out)."""
+    with tempfile.TemporaryDirectory(prefix="nbfleet-bench-") as tmp:
+        try:
+            results: dict[str, float] = asyncio.run(run(Path(tmp)))
+        except KeyboardInterrupt:
+            stderr.print("interrupted; cleaned up")
+            return None
+    for name, value in results.items():
+        emit(bench, name, value)
+    return results
 
 
 def percentile(values: list[float], q: int) -> float:

@@ -81,7 +81,6 @@ import sqlite3
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -93,8 +92,8 @@ import httpx
 from harness import (
     admin_headers,
     channels_url,
-    emit,
     grant_credits,
+    measured,
     nbfleet_up,
     percentile,
     stderr,
@@ -928,14 +927,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("need --samples >= 2, --big-samples >= 2 and --block >= 1")
     if args.think_ms < 0 or args.poll_ms <= 0 or args.moves < 0:
         parser.error("need --think-ms >= 0, --poll-ms > 0 and --moves >= 0")
-    with tempfile.TemporaryDirectory(prefix="nbfleet-bench-") as tmp:
-        try:
-            results = asyncio.run(run(args, Path(tmp)))
-        except KeyboardInterrupt:
-            stderr.print("interrupted; cleaned up")
-            return 130
-    for name, value in results.items():
-        emit(BENCH, name, value)
+    results = measured(BENCH, lambda tmp: run(args, tmp))
+    if results is None:
+        return 130
     print(verdict(results, args), file=sys.stderr)
     return 0
 

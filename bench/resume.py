@@ -30,7 +30,6 @@ import asyncio
 import contextlib
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -39,7 +38,15 @@ import httpx
 from jupyter_client.asynchronous.client import AsyncKernelClient
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from harness import channels_url, direct_kernel, emit, nbfleet_up, p95, stderr, workspace_kernel
+from harness import (
+    channels_url,
+    direct_kernel,
+    measured,
+    nbfleet_up,
+    p95,
+    stderr,
+    workspace_kernel,
+)
 from nbfleet.sdk.kernel_socket import KernelSocket
 from resume_load import burst, heavy_available, heavy_cycles, timed
 
@@ -251,14 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.only in ("all", "heavy") and not heavy_available():
         parser.error("the heavy-import notebook needs matplotlib, scipy and scikit-learn "
                      "(uv pip install -e '.[bench]')")
-    with tempfile.TemporaryDirectory(prefix="nbfleet-bench-") as tmp:
-        try:
-            results = asyncio.run(run(args, Path(tmp)))
-        except KeyboardInterrupt:
-            stderr.print("interrupted; cleaned up")
-            return 130
-    for name, value in results.items():
-        emit(BENCH, name, value)
+    results = measured(BENCH, lambda tmp: run(args, tmp))
+    if results is None:
+        return 130
     verdicts = ", ".join(
         f"{name} {results[name]:.1f} (target < {target:g}: "
         f"{'met' if results[name] < target else 'NOT met'})" if name in results
