@@ -30,6 +30,9 @@ from tests.support.credit_api import CREDIT, grant, new_tenant, query
 pytestmark = pytest.mark.timeout(300)
 
 GPU = {"gpus": 1, "gpu_types": ["A100-80GB"]}
+#: Files kernels write reach the store within about two sync intervals (the RPO).
+SYNC = ("--file-sync-interval", "0.5")
+RPO_S = 1.0
 
 
 def _standbys(cluster: Cluster, ws: str) -> dict[str, Any]:
@@ -58,9 +61,11 @@ async def _lose_the_executor_mid_cell(cluster: Cluster, client: httpx.Client, ws
                                       other: str) -> dict[str, Any]:
     sock = await KernelSocket.connect(cluster.channels_url(ws, kernel), token_of(client))
     try:
-        for code in ("shared = [1]\npair = (shared, shared)\nx = 41", "y = x + 1"):
+        for code in ("shared = [1]\npair = (shared, shared)\nx = 41",
+                     "y = x + 1\nopen('early.txt', 'w').write('kept')"):
             done = await sock.execute(code)
             assert done.status == "ok", done.reply
+        await asyncio.sleep(RPO_S + 1.0)  # early.txt is older than one RPO at the kill
 
         def staged_cell() -> int | None:
             cell = _standbys(cluster, ws).get(other, {}).get(kernel, {}).get("cell")
@@ -87,8 +92,8 @@ async def _lose_the_executor_mid_cell(cluster: Cluster, client: httpx.Client, ws
             wait_until, lambda: _workspace(client, ws)["state"] == "running"
             and _workspace(client, ws)["host_id"] == other, 90, 0.2,
             "the workspace on the standby's host")
-        after = await sock.execute("print(x, y, pair[0] is pair[1], 'queued' in dir())",
-                                   timeout=120)
+        after = await sock.execute("print(x, y, pair[0] is pair[1], 'queued' in dir(), "
+                                   "open('early.txt').read())", timeout=120)
         return {"lost": lost.reply, "after": after.stdout if after.status == "ok"
                 else after.reply}
     finally:
@@ -101,8 +106,8 @@ def test_a_standby_is_kept_in_sync_and_promoted_when_the_executor_s_host_dies(
         cluster = Cluster(tmp_path, url, gpus="1xA100-80GB")
         try:
             cluster.start_control(args=("--policy", "nbfleet", "--replicas", "2"))
-            cluster.start_agent("agent1")
-            cluster.start_agent("agent2")
+            cluster.start_agent("agent1", args=SYNC)
+            cluster.start_agent("agent2", args=SYNC)
             tenant = new_tenant(cluster)
             grant(cluster, tenant, 1000 * CREDIT)
             client = tenant.client
@@ -131,7 +136,7 @@ def test_a_standby_is_kept_in_sync_and_promoted_when_the_executor_s_host_dies(
             # its next cell ran on the promoted standby with the last cell's state.
             assert result["lost"]["status"] == "error", result
             assert result["lost"]["ename"] == "HostLost", result
-            assert result["after"] == "41 42 True False\n", result
+            assert result["after"] == "41 42 True False kept\n", result
             restore = _workspace(client, ws)["restore"]
             assert restore["kernels"][kernel]["path"] == "standby", restore
             facts = restore["host_lost"]["kernels"][kernel]

@@ -150,3 +150,20 @@ def test_a_cell_that_changed_nothing_is_recorded_without_an_upload(
         assert [d.key for d in done] == ["snap/1", "snap/1", "snap/2"]
         assert deleted == ["snap/1"]
     asyncio.run(main())
+
+
+def test_a_refused_report_of_an_unchanged_snapshot_keeps_the_manifest_it_names(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The key was kept before (the workspace may still name it after a suspend
+    that could not flush): a refusal of the same key must not delete it."""
+    async def main() -> None:
+        kernel, _keeper, _done, deleted, reported = _setup(
+            tmp_path, monkeypatch, [CheckpointRecorded(kept=True),
+                                    CheckpointRecorded(kept=False, reason="suspending")])
+        kernel.changes = False
+        kernel.cell()
+        await asyncio.sleep(0.2)
+        kernel.cell()
+        await asyncio.sleep(0.2)
+        assert reported == [1, 2] and deleted == []
+    asyncio.run(main())

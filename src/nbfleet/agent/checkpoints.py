@@ -164,7 +164,8 @@ class Checkpointer:
                 return  # suspended, moved or released meanwhile: it saved its own state
             assert kernel.state_dir is not None
             content = await asyncio.to_thread(_content_digest, kernel.state_dir)
-            if content is not None and content == due.content and due.last is not None:
+            reused = content is not None and content == due.content and due.last is not None
+            if reused and due.last is not None:
                 saved = dict(due.last)  # nothing changed: the same snapshot, a later cell
             else:
                 saved = await asyncio.to_thread(statesync.upload, self.blobs, workspace_id,
@@ -180,7 +181,8 @@ class Checkpointer:
                 await asyncio.to_thread(self._delete, recorded.replaced)
         else:
             log.info("checkpoint of kernel %s not kept: %s", kernel.id, recorded.reason)
-            await asyncio.to_thread(self._delete, key)
+            if not reused:  # a reused one was kept before, and may still be named
+                await asyncio.to_thread(self._delete, key)
         seconds = time.perf_counter() - since
         CHECKPOINTS.labels("kept" if recorded.kept else "refused").inc()
         CHECKPOINT_BYTES.inc(int(saved.get("written", 0)))

@@ -101,6 +101,7 @@ async def place(manager: RuntimeManager, workspace_id: str, generation: int,
     manager._start_sync(runtime)
     return placed
 
+
 async def promote(manager: RuntimeManager, standby: Standby, generation: int,
                   kernels: list[tuple[str, str]], snapshot: dict[str, str],
                   packages: str | None, notices: dict[str, str]) -> Placed:

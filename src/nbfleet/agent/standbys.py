@@ -178,6 +178,7 @@ class Standbys:
                      cell: int | None) -> None:
         old = standby.staged.get(kernel_id)
         if old is not None and old.key == key:
+            old.cell = cell if cell is not None else old.cell  # the same state, a later cell
             return
         directory = os.path.join(standby.slot.root,
                                  f".standby-{kernel_id[:12]}-{secrets.token_hex(4)}")
