@@ -98,8 +98,8 @@ def test_cells_quicker_than_a_checkpoint_are_covered_by_one_more(
                                     CheckpointRecorded(kept=True, replaced="snap/1")])
         kernel.cell()              # cell 1: its checkpoint is written
         await asyncio.sleep(0.2)
-        kernel.cell()              # cell 2: a checkpoint starts...
-        await asyncio.sleep(0.01)
+        kernel.cell()              # cell 2: a checkpoint starts (after SETTLE_S)...
+        await asyncio.sleep(checkpoints.SETTLE_S + 0.02)
         kernel.cell()              # ...and cell 3 ends before it is written
         await asyncio.sleep(0.4)
         assert kernel.flushes == 3 and reported == [1, 3]
@@ -166,4 +166,20 @@ def test_a_refused_report_of_an_unchanged_snapshot_keeps_the_manifest_it_names(
         kernel.cell()
         await asyncio.sleep(0.2)
         assert reported == [1, 2] and deleted == []
+    asyncio.run(main())
+
+
+def test_a_cell_sent_right_after_a_reply_goes_first_and_one_checkpoint_covers_both(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Back to back: no checkpoint request is queued ahead of the next cell."""
+    async def main() -> None:
+        kernel, _keeper, _done, _deleted, reported = _setup(
+            tmp_path, monkeypatch, [CheckpointRecorded(kept=True)])
+        kernel.cell()
+        kernel.cells_pending.add("next")  # the client's next cell, within SETTLE_S
+        await asyncio.sleep(checkpoints.SETTLE_S / 4)
+        kernel.cells_pending.clear()
+        kernel.cell()
+        await asyncio.sleep(0.3)
+        assert kernel.flushes == 1 and reported == [2]
     asyncio.run(main())

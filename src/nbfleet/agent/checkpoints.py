@@ -57,6 +57,8 @@ COUNT = "get_ipython().execution_count"
 CHECKPOINT = "__import__('nbfleet.kernel').kernel.checkpoint({seq})"
 CHECKPOINT_MARK = "checkpoint.json"
 MARK_LIMIT = 64 << 10
+#: How long after a reply a checkpoint waits for a next cell (back to back).
+SETTLE_S = 0.01
 #: How often the agent looks whether the kernel has written its checkpoint.
 MARK_POLL_S = 0.005
 REQUEST_TIMEOUT_S = 10.0
@@ -129,6 +131,10 @@ class Checkpointer:
 
     async def _run(self, due: _Due, since: float) -> None:
         kernel = due.kernel
+        # A client running cells back to back sends the next one within milliseconds
+        # of a reply: its reply starts the checkpoint covering both, instead of this
+        # one's request going ahead of it in the kernel's queue.
+        await asyncio.sleep(SETTLE_S)
         while due.dirty:
             if kernel.cells_pending:  # the next cell's reply starts the one covering both
                 return
