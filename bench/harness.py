@@ -96,13 +96,13 @@ def nbfleet_up(home: Path, *args: str) -> Iterator[str]:
         try:
             wait_for(lambda: healthy(url), proc, f"nbfleet up on {url}")
         except BaseException:
-            stderr.print(f"nbfleet up log ({log}):\n{_tail(log)}", markup=False)
+            stderr.print(f"nbfleet up log ({log}):\n{tail(log)}", markup=False)
             raise
         SERVER_PIDS[url] = proc.pid
         yield url
     finally:
         SERVER_PIDS.pop(url, None)
-        _stop(proc)
+        stop(proc)
 
 
 def process_cpu_s(pid: int) -> float:
@@ -159,11 +159,12 @@ def throwaway_db(kind: str, pg_url: str, directory: Path, name: str) -> Iterator
             conn.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
 
 
-def _tail(path: Path, chars: int = 4000) -> str:
+def tail(path: Path, chars: int = 4000) -> str:
     return path.read_text(errors="replace")[-chars:] if path.exists() else "(empty)"
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then the process group's SIGKILL after 30 s."""
     if proc.poll() is not None:
         return
     proc.send_signal(signal.SIGTERM)

@@ -76,7 +76,6 @@ import asyncio
 import contextlib
 import json
 import os
-import signal
 import sqlite3
 import statistics
 import subprocess
@@ -97,6 +96,8 @@ from harness import (
     nbfleet_up,
     percentile,
     stderr,
+    stop,
+    tail,
     wait_for,
     workspace_kernel,
 )
@@ -348,17 +349,10 @@ def extra_agent(url: str, home: Path) -> Iterator[subprocess.Popen[bytes]]:
     try:
         yield proc
     except BaseException:
-        stderr.print(f"agent2 log ({log}):\n{log.read_text(errors='replace')[-3000:]}",
-                     markup=False)
+        stderr.print(f"agent2 log ({log}):\n{tail(log, 3000)}", markup=False)
         raise
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+        stop(proc)
 
 
 def agent_ids(url: str, home: Path) -> list[str]:
