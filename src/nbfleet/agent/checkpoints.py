@@ -239,26 +239,25 @@ async def _flush(kernel: KernelProcess, seq: int) -> int | None:
 def _content_digest(state_dir: str) -> str | None:
     """What the manifest holds, without its creation time: equal for two snapshots
     of a namespace that did not change (a cell that only printed)."""
-    try:
-        with beneath.directory(state_dir) as folder, \
-                beneath.open_regular(folder, "manifest.json") as opened:
-            raw = beneath.read_fd(opened[0], statesync.REPORT_LIMIT) if opened else None
-        body = json.loads(raw) if raw is not None else None
-    except (OSError, ValueError, RecursionError):
-        return None
-    if not isinstance(body, dict):
+    body = _kernel_json(state_dir, "manifest.json", statesync.REPORT_LIMIT)
+    if body is None:
         return None
     body.pop("created", None)
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 def _read_mark(state_dir: str) -> dict[str, Any] | None:
-    """The kernel's note on its last checkpoint (it owns the file: read through a
-    checked descriptor, bounded); None while there is none or it is not one."""
+    """The kernel's note on its last checkpoint; None while there is none."""
+    return _kernel_json(state_dir, CHECKPOINT_MARK, MARK_LIMIT)
+
+
+def _kernel_json(state_dir: str, name: str, limit: int) -> dict[str, Any] | None:
+    """A JSON object the kernel wrote in its state directory (it owns the file: read
+    through a checked descriptor, bounded); None if missing, too large or not one."""
     try:
         with beneath.directory(state_dir) as folder, \
-                beneath.open_regular(folder, CHECKPOINT_MARK) as opened:
-            raw = beneath.read_fd(opened[0], MARK_LIMIT) if opened else None
+                beneath.open_regular(folder, name) as opened:
+            raw = beneath.read_fd(opened[0], limit) if opened else None
         body = json.loads(raw) if raw is not None else None
     except (OSError, ValueError, RecursionError):
         return None
