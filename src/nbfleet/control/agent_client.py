@@ -81,13 +81,9 @@ class AgentClient:
                              network: str | None = None, gpus: int = 0,
                              notices: dict[str, str] | None = None) -> RuntimePlaced:
         """``snapshot`` as the workspace keeps it (``kernels``: id -> its upload)."""
-        snapshot = snapshot or {}
         order = _order(EnsureRuntime, generation=generation,
-                       kernels=[{"id": kid, "name": name} for kid, name in kernels],
-                       snapshot={kid: k["key"]
-                                 for kid, k in (snapshot.get("kernels") or {}).items()},
-                       packages=snapshot.get("packages"), limits=limits or None,
-                       network=network or "none", gpus=gpus, notices=notices or {})
+                       **_runtime_fields(kernels, snapshot, limits, network, gpus),
+                       notices=notices or {})
         return _answer(RuntimePlaced, await self._call(
             "PUT", f"{base}/agent/v1/runtimes/{workspace_id}", json=order.model_dump(mode="json")))
 
@@ -111,13 +107,8 @@ class AgentClient:
                            limits: dict[str, Any] | None = None, network: str | None = None,
                            gpus: int = 0) -> StandbyState:
         """Keep the workspace warm on that host (``agent/standbys.py``)."""
-        snapshot = snapshot or {}
         order = _order(EnsureRuntime, generation=generation,
-                       kernels=[{"id": kid, "name": name} for kid, name in kernels],
-                       snapshot={kid: k["key"]
-                                 for kid, k in (snapshot.get("kernels") or {}).items()},
-                       packages=snapshot.get("packages"), limits=limits or None,
-                       network=network or "none", gpus=gpus)
+                       **_runtime_fields(kernels, snapshot, limits, network, gpus))
         return _answer(StandbyState, await self._call(
             "PUT", f"{base}/agent/v1/standbys/{workspace_id}",
             json=order.model_dump(mode="json")))
@@ -252,3 +243,15 @@ def _bad(what: str, exc: ValidationError) -> BadAnswer:
 def _problems(exc: ValidationError) -> str:
     return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}"
                      for e in exc.errors()[:5])
+
+
+def _runtime_fields(kernels: list[tuple[str, str]], snapshot: dict[str, Any] | None,
+                    limits: dict[str, Any] | None, network: str | None,
+                    gpus: int) -> dict[str, Any]:
+    """A runtime's or a standby's order, from the workspace as the control plane keeps
+    it (``snapshot["kernels"]``: id -> its upload)."""
+    snapshot = snapshot or {}
+    return {"kernels": [{"id": kid, "name": name} for kid, name in kernels],
+            "snapshot": {kid: k["key"] for kid, k in (snapshot.get("kernels") or {}).items()},
+            "packages": snapshot.get("packages"), "limits": limits or None,
+            "network": network or "none", "gpus": gpus}
