@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from nbfleet.db.engine import Database
 from nbfleet.db.migrate import upgrade
-from tests.support.cluster import Cluster
+from tests.support.cluster import Cluster, log_tails
 
 PG_ADMIN_URL = os.environ.get("NBFLEET_TEST_PG")
 
@@ -47,6 +49,24 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.no_db)
         elif e2e in path.parents or path.stem in DB_AGNOSTIC_MODULES:
             item.add_marker(pytest.mark.db_agnostic)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item,
+                              call: pytest.CallInfo[None]) -> Generator[None, Any, None]:
+    """A failing test that ran clusters shows the end of their logs: a CI run
+    keeps nothing else of them, and a flaky failure may not come back."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        since = getattr(item, "_nbfleet_started", call.start)
+        for name, tail in log_tails(since):
+            report.sections.append((f"cluster log {name}", tail))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    item._nbfleet_started = time.time()  # type: ignore[attr-defined]
 
 
 @contextlib.contextmanager

@@ -50,6 +50,26 @@ def wait_until(predicate: Callable[[], Any], timeout: float = 30.0, interval: fl
     raise TimeoutError(f"timed out waiting for {what}; last value: {last!r}")
 
 
+#: Every cluster's log folder, so a failing test's report can show what its
+#: processes said (CI keeps nothing else of them).
+LOG_FOLDERS: list[Path] = []
+
+
+def log_tails(since: float, lines: int = 80) -> list[tuple[str, str]]:
+    """(name, last lines) of each cluster log written to after ``since``."""
+    tails = []
+    for folder in LOG_FOLDERS:
+        for path in sorted(folder.glob("*.log")):
+            try:
+                if path.stat().st_mtime < since:
+                    continue
+                text = path.read_text(errors="replace").splitlines()[-lines:]
+            except OSError:
+                continue
+            tails.append((f"{folder.parent.name}/{path.name}", "\n".join(text)))
+    return tails
+
+
 class Cluster:
     def __init__(self, root: Path, db_url: str, gpus: str = "2xA100-80GB",
                  run_as: tuple[int, int] | None = None) -> None:
@@ -66,6 +86,7 @@ class Cluster:
         self.control: subprocess.Popen[bytes] | None = None
         self.agents: dict[str, subprocess.Popen[bytes]] = {}
         self.logs = root / "logs"
+        LOG_FOLDERS.append(self.logs)
         self.logs.mkdir(exist_ok=True)
         if run_as is not None:
             for path in (root, self.home, self.logs):
@@ -240,11 +261,20 @@ def agent_names(cluster: Cluster) -> dict[str, str]:
 
 def wait_state(client: httpx.Client, workspace_id: str, state: str,
                timeout: float = 60.0) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+
     def settled() -> dict[str, Any] | None:
         body: dict[str, Any] = client.get(f"/v1/workspaces/{workspace_id}").json()
+        seen.update(body)
         return body if body.get("state") == state else None
 
-    result: dict[str, Any] = wait_until(settled, timeout, 0.1, f"{workspace_id} -> {state}")
+    try:
+        result: dict[str, Any] = wait_until(settled, timeout, 0.1,
+                                            f"{workspace_id} -> {state}")
+    except TimeoutError as exc:
+        # Where it stuck, and why (a retried step's error), not just "None".
+        last = {k: seen.get(k) for k in ("state", "desired_state", "last_error", "host_id")}
+        raise TimeoutError(f"{exc}; the workspace last read {last}") from None
     return result
 
 

@@ -4,6 +4,7 @@ manifest of a checkpoint the control plane replaced (or refused) deleted."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -182,4 +183,34 @@ def test_a_cell_sent_right_after_a_reply_goes_first_and_one_checkpoint_covers_bo
         kernel.cell()
         await asyncio.sleep(0.3)
         assert kernel.flushes == 1 and reported == [2]
+    asyncio.run(main())
+
+
+def test_a_checkpoint_that_missed_its_cancellation_does_not_hang_a_teardown(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Python 3.11's ``asyncio.wait_for`` drops a cancel that races its result: the
+    task went on to wait for the workspace's lock, which the teardown held while it
+    waited for the task (a release hung until the control plane gave up, in CI)."""
+    async def main() -> None:
+        kernel, keeper, done, _deleted, reported = _setup(
+            tmp_path, monkeypatch, [CheckpointRecorded(kept=True)])
+        requested = asyncio.Event()
+        answer = kernel.execute_internal
+
+        async def deaf(code: str, timeout_s: float,
+                       expressions: dict[str, str] | None = None) -> dict[str, Any]:
+            requested.set()
+            with contextlib.suppress(asyncio.CancelledError):  # the reply won the race:
+                await asyncio.sleep(0.2)                         # the cancel is lost
+            return await answer(code, timeout_s, expressions)
+
+        kernel.execute_internal = deaf  # type: ignore[method-assign]
+        kernel.cell()
+        await requested.wait()
+        async with keeper.lock("ws1"):  # as the runtime's teardown does
+            forgetting = asyncio.create_task(keeper.forget(kernel))  # type: ignore[arg-type]
+            finished, _ = await asyncio.wait({forgetting}, timeout=5)
+            assert forgetting in finished, "the teardown waits for good"
+        await asyncio.sleep(0.4)  # the task gets the lock now, and must do nothing
+        assert reported == [] and done == []
     asyncio.run(main())

@@ -62,6 +62,8 @@ SETTLE_S = 0.01
 #: How often the agent looks whether the kernel has written its checkpoint.
 MARK_POLL_S = 0.005
 REQUEST_TIMEOUT_S = 10.0
+#: How long a teardown waits for a cancelled checkpoint to end.
+FORGET_WAIT_S = 1.0
 
 #: (workspace id, generation, kernel id, the upload, its cell) -> the control plane's answer.
 Report = Callable[[str, int, str, dict[str, Any], int], Awaitable[CheckpointRecorded]]
@@ -80,6 +82,8 @@ class _Due:
     #: The last upload, and its manifest's content digest (``_content_digest``).
     last: dict[str, Any] | None = None
     content: str | None = None
+    #: The kernel went away (``Checkpointer.forget``): nothing more is uploaded.
+    gone: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,13 +125,19 @@ class Checkpointer:
                                            name=f"checkpoint-{kernel.id}")
 
     async def forget(self, kernel: KernelProcess) -> None:
-        """The kernel is going away (the caller holds the workspace's lock)."""
+        """The kernel is going away (the caller holds the workspace's lock).
+
+        The wait is bounded: a task that missed its cancellation and now waits
+        for that lock would never end (a release hung on it for good). It finds
+        ``gone`` set once it has the lock, and does nothing."""
         kernel.on_cell_done = lambda kernel: None
         due = self._due.pop(kernel, None)
         if due is not None and due.task is not None:
+            due.gone = True
             due.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await due.task
+            _, pending = await asyncio.wait({due.task}, timeout=FORGET_WAIT_S)
+            if pending:
+                log.warning("checkpoint of kernel %s did not stop when asked", kernel.id)
 
     async def _run(self, due: _Due, since: float) -> None:
         kernel = due.kernel
@@ -166,7 +176,8 @@ class Checkpointer:
                 due.dirty = True  # abandoned for the next cell: its reply tries again
             return
         async with self.lock(workspace_id):
-            if self.generation(kernel) != generation or kernel.execution_state == "dead":
+            if (due.gone or self.generation(kernel) != generation
+                    or kernel.execution_state == "dead"):
                 return  # suspended, moved or released meanwhile: it saved its own state
             assert kernel.state_dir is not None
             content = await asyncio.to_thread(_content_digest, kernel.state_dir)

@@ -93,8 +93,8 @@ class JobRunner:
         for att in running:
             self._kill(att, "stale", min(att.spec.kill_grace_s, SHUTDOWN_GRACE_S))
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.gather(*(a.exited.wait() for a in running)),
-                                   SHUTDOWN_GRACE_S + 1)
+            async with asyncio.timeout(SHUTDOWN_GRACE_S + 1):
+                await asyncio.gather(*(a.exited.wait() for a in running))
         for task in [*self._loops, *self._tasks]:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

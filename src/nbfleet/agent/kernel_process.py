@@ -276,9 +276,11 @@ class KernelProcess:
             self._shell_seen.clear()
             self._send_internal("kernel_info_request")
             try:
-                await asyncio.wait_for(self._shell_seen.wait(), 1.0)
+                async with asyncio.timeout(1.0):
+                    await self._shell_seen.wait()
                 # The reply's iopub status follows it; give the subscription a moment.
-                await asyncio.wait_for(self._iopub_seen.wait(), 0.2)
+                async with asyncio.timeout(0.2):
+                    await self._iopub_seen.wait()
                 break
             except TimeoutError:
                 continue
@@ -310,7 +312,8 @@ class KernelProcess:
         Returns the execute_reply's content (with ``expressions`` evaluated after
         the code, under ``user_expressions``).
         """
-        await asyncio.wait_for(self._ready.wait(), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            await self._ready.wait()
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         msg_id = self._send_internal("execute_request", {
             "code": code, "silent": True, "store_history": False,
@@ -319,14 +322,16 @@ class KernelProcess:
         })
         self._waiters[msg_id] = future
         try:
-            return await asyncio.wait_for(future, timeout_s)
+            async with asyncio.timeout(timeout_s):
+                return await future
         finally:
             self._waiters.pop(msg_id, None)
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """True once no cell runs; False if one still runs after ``timeout_s``."""
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await self._idle.wait()
         except TimeoutError:
             return False
         return True

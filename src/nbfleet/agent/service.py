@@ -347,7 +347,8 @@ class AgentService:
             if self.runtimes is not None:
                 await self.runtimes.shutdown()
             with contextlib.suppress(Exception):  # best effort: the kernels just ended
-                await asyncio.wait_for(self.released.send_once(self.reporter.released), 2.0)
+                async with asyncio.timeout(2.0):
+                    await self.released.send_once(self.reporter.released)
             shutil.rmtree(self.sockets_dir, ignore_errors=True)
             self.isolation.close()
             await self._http.aclose()

@@ -82,8 +82,8 @@ class JobDispatcher:
                 except Exception:
                     log.exception("job dispatch pass failed")
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(wake.wait(),
-                                           self.platform.config.job_dispatch_interval_s)
+                    async with asyncio.timeout(self.platform.config.job_dispatch_interval_s):
+                        await wake.wait()
         finally:
             self._stop_listening.set()
             if listener is not None:

@@ -107,7 +107,8 @@ class Reconciler:
                 except Exception:
                     log.exception("reconciler tick failed")
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(wake.wait(), self._next_wait(interval))
+                    async with asyncio.timeout(self._next_wait(interval)):
+                        await wake.wait()
         finally:
             running = list(self._running.values())
             for task in running:

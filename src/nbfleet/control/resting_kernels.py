@@ -120,4 +120,5 @@ async def wake(platform: Platform, principal: Principal, workspace_id: str,
             raise Conflict(f"workspace did not resume in {timeout:.0f} s: it is {state}"
                            + (f" ({error})" if error else ""), current_state=state)
         with contextlib.suppress(TimeoutError):  # other replicas do not signal: poll too
-            await asyncio.wait_for(changed.wait(), min(remaining, platform.poll_s()))
+            async with asyncio.timeout(min(remaining, platform.poll_s())):
+                await changed.wait()

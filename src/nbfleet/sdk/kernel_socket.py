@@ -80,7 +80,8 @@ class KernelSocket:
         await self.connection.send(pack_v1(msg["channel"], parts, []))
 
     async def receive(self, timeout: float = 60.0) -> dict[str, Any]:
-        raw = await asyncio.wait_for(self.connection.recv(), timeout)
+        async with asyncio.timeout(timeout):
+            raw = await self.connection.recv()
         if not self.v1:
             message: dict[str, Any] = json.loads(raw)
             return message

@@ -239,7 +239,8 @@ class CellGate:
         (its kernel died, its host was lost: the scheduler released it already)."""
         while not replied.is_set():
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(replied.wait(), 1.0)
+                async with asyncio.timeout(1.0):
+                    await replied.wait()
             if task_id not in scheduler.running and self.scheduler() is scheduler:
                 return
 

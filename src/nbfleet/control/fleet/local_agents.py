@@ -261,7 +261,8 @@ class LocalAgentProvider:
             with contextlib.suppress(ProcessLookupError):
                 host.proc.send_signal(signal.SIGTERM)
             try:
-                await asyncio.wait_for(host.proc.wait(), self.stop_grace_s)
+                async with asyncio.timeout(self.stop_grace_s):
+                    await host.proc.wait()
             except TimeoutError:
                 log.warning("agent %s (pid %d) still runs %.0f s after SIGTERM; killing it",
                             host.agent_id, pid, self.stop_grace_s)

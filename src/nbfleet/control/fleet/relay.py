@@ -144,7 +144,8 @@ class GpuRelay:
                     raise MoveFailed(f"the kernel did not come up on {host_id} within "
                                      f"{MOVE_TIMEOUT_S:.0f} s")
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.changed(), 0.5)
+                    async with asyncio.timeout(0.5):
+                        await self.changed()
             old, self.upstream = self.upstream, await self.connect(where)
             self.here = where
             with contextlib.suppress(Exception):
@@ -176,7 +177,8 @@ class GpuRelay:
                     self.upstream, self.here = upstream, where
                     return True
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.changed(), 0.5)
+                async with asyncio.timeout(0.5):
+                    await self.changed()
         return False
 
     async def _client_to_gate(self) -> None:

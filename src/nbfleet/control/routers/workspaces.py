@@ -185,7 +185,8 @@ async def _request_state(request: Request, principal: Principal, workspace_id: s
         if done or remaining <= 0:
             return JSONResponse(body, status_code=200 if done else 202)
         with contextlib.suppress(TimeoutError):  # other replicas do not signal: poll too
-            await asyncio.wait_for(changed.wait(), min(remaining, platform.poll_s()))
+            async with asyncio.timeout(min(remaining, platform.poll_s())):
+                await changed.wait()
 
 
 @router.post("/{workspace_id}/suspend", status_code=202, summary="Suspend a workspace",
