@@ -29,8 +29,10 @@ up: $(STAMP)
 ## again on PostgreSQL when NBFLEET_TEST_PG names a server (e.g.
 ## postgresql://postgres@127.0.0.1:5432/postgres): the tests of what the database
 ## decides; those marked no_db or db_agnostic (tests/conftest.py) would only repeat.
+## Tests marked postgres_first run in the PostgreSQL pass only, when there is one.
 test: check
-	NBFLEET_TEST_PG= $(BIN)/python -m pytest $(XDIST) $(DURATIONS)
+	NBFLEET_TEST_PG= $(BIN)/python -m pytest $(XDIST) $(DURATIONS) \
+		$(if $(NBFLEET_TEST_PG),-m "not postgres_first")
 	@if [ -n "$$NBFLEET_TEST_PG" ]; then \
 		echo "== the database tests again, on PostgreSQL ($$NBFLEET_TEST_PG)"; \
 		$(BIN)/python -m pytest $(XDIST) $(DURATIONS) -m "not no_db and not db_agnostic"; \
@@ -39,6 +41,7 @@ test: check
 check: $(STAMP)
 	$(BIN)/ruff check src tests bench
 	$(BIN)/mypy
+	$(BIN)/mypy --strict bench
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit

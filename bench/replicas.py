@@ -48,10 +48,12 @@ standby on the other (a ``standby_replicas`` row).
 
 6. Standby sync latency, NotebookOS's state-sync latency proper: from a cell's
    execute_reply to the standby row's ``staged[kernel]["cell"]`` reaching its
-   execution count (the DB polled as above), ``--samples`` small cells and
+   execution count (written once the standby's kernel applied it), the DB polled
+   as above, ``--samples`` small cells and
    ``--big-samples`` 100 MB cells, one at a time: ``standby_sync_<small|100mb>_*``;
    in the same poll loop the checkpoint latency (``standby_checkpoint_*``) and the
-   difference, the standby's own staging (``standby_staging_*``).
+   difference, the standby's own share: download, verify, apply
+   (``standby_staging_*``).
 7. Moves to the standby's host: the GPU workspace's host drained, the time to
    ``running`` on the other host, its restore report's ``path`` (``_promoted``: how
    many were ``standby``) and ``seconds`` (``_restore_p50_ms``), ``--standby-moves``
@@ -834,7 +836,7 @@ def standby_verdict(results: dict[str, float]) -> list[str]:
     parts = []
     for tag, label in (("small", "small cell"), ("100mb", "100 MB cell")):
         p50, p99 = results[f"standby_sync_{tag}_p50_ms"], results[f"standby_sync_{tag}_p99_ms"]
-        text = (f"standby sync ({label}; execute_reply -> staged on the standby) p50 "
+        text = (f"standby sync ({label}; execute_reply -> applied on the standby) p50 "
                 f"{p50:.1f} ms, p99 {p99:.1f} ms (checkpoint "
                 f"{results[f'standby_checkpoint_{tag}_p50_ms']:.1f} ms + staging "
                 f"{results[f'standby_staging_{tag}_p50_ms']:.1f} ms at the median)")

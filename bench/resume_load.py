@@ -204,7 +204,7 @@ async def burst(size: int, alone: int, root: Path) -> dict[str, float]:
                     raise RuntimeError(f"{workspace} came back with {got!r}, not {expected!r}")
         finally:
             await asyncio.gather(*(client.aclose() for client in clients))
-    took = [t for t, _, _ in results]
+    resumes = [t for t, _, _ in results]
     warm = [t for t, path, _ in results if path == "warm"]
     # The agent's share: downloading the snapshot and loading it in the kernel.
     restoring = [seconds for _, _, seconds in results]
@@ -212,9 +212,9 @@ async def burst(size: int, alone: int, root: Path) -> dict[str, float]:
     return {
         "light_alone_resume_p50_ms": statistics.median(lone) * ms,
         "light_alone_resume_max_ms": max(lone) * ms,
-        f"burst{size}_resume_p50_ms": statistics.median(took) * ms,
-        f"burst{size}_resume_p95_ms": p95(took) * ms,
-        f"burst{size}_resume_max_ms": max(took) * ms,
+        f"burst{size}_resume_p50_ms": statistics.median(resumes) * ms,
+        f"burst{size}_resume_p95_ms": p95(resumes) * ms,
+        f"burst{size}_resume_max_ms": max(resumes) * ms,
         f"burst{size}_restore_p50_ms": statistics.median(restoring) * ms,
         f"burst{size}_restore_max_ms": max(restoring) * ms,
         f"burst{size}_warm_paths": float(len(warm)),

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from sqlalchemy import select
 
 from nbfleet.db.tables import Workspace
@@ -44,12 +45,7 @@ def _with_variable(cluster: Cluster, client: httpx.Client) -> tuple[str, str, st
 
 def _agent_kernels(cluster: Cluster, host_id: str) -> list[Any]:
     """The kernels the agent itself says it runs (not the control plane's view)."""
-    agents = cluster.admin().get("/v1/admin/agents").json()["items"]
-    url = next(a["url"] for a in agents if a["id"] == host_id)
-    response = httpx.get(f"{url}/agent/v1/kernels", timeout=30,
-                         headers={"Authorization": f"Bearer {cluster.secret}"})
-    response.raise_for_status()
-    kernels: list[Any] = response.json()
+    kernels: list[Any] = cluster.agent_api(host_id, "/agent/v1/kernels")
     return kernels
 
 
@@ -198,6 +194,7 @@ def test_sigterm_drains_the_agent_within_its_bound(tmp_path: Path) -> None:
         assert outcome(run_cell(cluster, client, ws, kernel, "print(x)")) == "41\n"
 
 
+@pytest.mark.db_agnostic  # how the agent takes its signals; the drain's DB side is above
 def test_a_second_signal_stops_the_agent_at_once(tmp_path: Path) -> None:
     with running_cluster(tmp_path, agent_args=("--drain-timeout", "120")) as cluster:
         cluster.kill_control()  # its drain requests now fail: it would wait 120 s

@@ -9,9 +9,10 @@ decision, so it runs on PostgreSQL too.
 
 from __future__ import annotations
 
+import time
 from datetime import UTC, datetime, timedelta
 
-from nbfleet.control import drain
+from nbfleet.control import drain, leases
 from nbfleet.db.engine import Database
 from nbfleet.db.tables import Agent, Workspace
 from nbfleet.model.workspace import DesiredState, WorkspaceState
@@ -60,3 +61,33 @@ def test_failed_placements_do_not_hold_a_drain_and_a_backing_off_move_waits(
     with db.transaction(write=False) as session:
         _, leaving_later = drain._on_host(session, HOST, later)
     assert leaving_later == 2 and backing_off
+
+
+def test_a_drain_pass_under_a_lost_lease_sends_nothing_away(db: Database) -> None:
+    """The moves are written under the reconciler's lease: a replica whose token is
+    stale (another took the lease) leaves the host's workspaces where they are."""
+    tenant = new_tenant(db)
+    ids = (tenant.org_id, tenant.project_id, tenant.user_id)
+    with db.transaction() as session:
+        now = db.now(session)
+        for host in (HOST, "host_other"):
+            session.add(Agent(id=host, url="http://127.0.0.1:9", boot_id="boot_1",
+                              inventory={}, registered_at=now, last_heartbeat_at=now))
+    running = _workspace(db, ids, "running", WorkspaceState.RUNNING)
+    stale = leases.acquire(db, leases.WORKSPACES, "replica-a", 0.01)
+    assert stale is not None
+    time.sleep(0.05)
+    current = leases.acquire(db, leases.WORKSPACES, "replica-b", 30.0)
+    assert current is not None and current != stale
+    homes = drain.Homes({}, "host_other")
+
+    assert drain.empty_host(db, HOST, homes, stale, 10.0) == 1
+    with db.transaction(write=False) as session:
+        ws = session.get(Workspace, running)
+        assert ws is not None and (ws.state, ws.move_to) == (WorkspaceState.RUNNING, None)
+
+    assert drain.empty_host(db, HOST, homes, current, 10.0) == 1  # on its way
+    with db.transaction(write=False) as session:
+        ws = session.get(Workspace, running)
+        assert ws is not None and (ws.state, ws.move_to) == (WorkspaceState.SUSPENDING,
+                                                             "host_other")

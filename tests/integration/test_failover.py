@@ -26,6 +26,7 @@ from tests.support.cluster import (
     Cluster,
     agent_names,
     create_running,
+    kernel_then_second_host,
     outcome,
     resume,
     run_cell,
@@ -123,11 +124,8 @@ def test_a_killed_host_s_kernel_continues_elsewhere_from_its_last_cell(
         tmp_path: Path) -> None:
     with running_cluster(tmp_path, agent_args=("--file-sync-interval", str(SYNC_S))) as cluster:
         client = cluster.new_user()
-        ws = create_running(client, "failover")
-        kernel = start_kernel(client, ws)
-        a = _workspace(client, ws)["host_id"]
-        cluster.start_agent("agent2", args=("--file-sync-interval", str(SYNC_S)))
-        b = next(h for h in agent_names(cluster) if h != a)
+        ws, kernel, a, b = kernel_then_second_host(
+            cluster, client, "failover", ("--file-sync-interval", str(SYNC_S)))
 
         lost = asyncio.run(_lose_host_mid_cell(cluster, client, ws, kernel, a))
         # The running cell is answered at once, as an error that says why.
@@ -213,18 +211,18 @@ def test_a_host_presumed_dead_that_comes_back_cannot_bring_back_old_state(
     runtime is replaced, not adopted, and the kernel has the newer ``x``."""
     with running_cluster(tmp_path) as cluster:
         client = cluster.new_user()
-        ws = create_running(client, "zombie")
-        kernel = start_kernel(client, ws)
-        a = _workspace(client, ws)["host_id"]
-        cluster.start_agent("agent2")
-        b = next(h for h in agent_names(cluster) if h != a)
+        ws, kernel, a, b = kernel_then_second_host(cluster, client, "zombie")
         assert outcome(run_cell(cluster, client, ws, kernel, "x = 'old'\nprint(x)")) == "old\n"
         wait_until(lambda: _saved_cell(client, ws, kernel) == 1, 30, what="checkpoint 1")
         stalled = cluster.agents[agent_names(cluster)[a]]
         os.killpg(stalled.pid, signal.SIGSTOP)
         try:
+            # The agent timeout (10 s), then a placement. Not a minute more: a stalled
+            # host answers no request, and the scheduler's model rebuild asked it for
+            # its bindings with the agent client's 60 s timeout, holding the loop that
+            # declares hosts dead (the placement came 62 s after the stop).
             wait_until(lambda: _workspace(client, ws)["state"] == "running"
-                       and _workspace(client, ws)["host_id"] == b, 90,
+                       and _workspace(client, ws)["host_id"] == b, 45,
                        what="the workspace placed on the other host")
             assert outcome(run_cell(cluster, client, ws, kernel, "x = 'new'\nprint(x)")) \
                 == "new\n"
@@ -241,3 +239,73 @@ def test_a_host_presumed_dead_that_comes_back_cannot_bring_back_old_state(
                    and _workspace(client, ws)["host_id"] == a, 90,
                    what="the workspace back on the host that stalled")
         assert outcome(run_cell(cluster, client, ws, kernel, "print(x)")) == "new\n"
+
+
+def _stored(client: httpx.Client, ws: str, path: str) -> bytes | None:
+    """A file as the blob store has it, through the public files API."""
+    response = client.get(f"/v1/workspaces/{ws}/files/{path}")
+    return response.content if response.status_code == 200 else None
+
+
+def _kernels_on(cluster: Cluster, host_id: str) -> list[str]:
+    """The kernels a host's agent runs, as its own API lists them."""
+    return [k["id"] for k in cluster.agent_api(host_id, "/agent/v1/kernels")]
+
+
+@pytest.mark.db_agnostic  # the fencing's database side is the checkpoint test above
+@pytest.mark.timeout(240)
+def test_a_host_presumed_dead_that_comes_back_does_not_sync_old_files_over_new_ones(
+        tmp_path: Path) -> None:
+    """A kernel on host a writes ``notes.txt`` while a's agent is stalled (SIGSTOP)
+    past the heartbeat timeout. The workspace is placed on b, where a cell writes a
+    newer ``notes.txt`` that reaches the store. When a's agent wakes up, its file
+    sync finds a's ``notes.txt`` changed: unfenced, it would upload it over b's.
+    It writes nothing without a fresh lease, and its first heartbeat's reply has
+    it drop that runtime without syncing its files back."""
+    sync = ("--file-sync-interval", str(SYNC_S))
+    with running_cluster(tmp_path, agent_args=sync) as cluster:
+        client = cluster.new_user()
+        ws, kernel, a, b = kernel_then_second_host(cluster, client, "zombie-files", sync)
+        name = agent_names(cluster)[a]
+        assert outcome(run_cell(cluster, client, ws, kernel,
+                                "open('notes.txt', 'w').write('v1 from a')")) == ""
+        wait_until(lambda: _stored(client, ws, "notes.txt") == b"v1 from a", 30,
+                   what="a's first notes.txt in the store")
+        wait_until(lambda: _saved_cell(client, ws, kernel) == 1, 30, what="checkpoint 1")
+        # The kernel (in a session of its own) writes again once its agent is stopped,
+        # so that agent cannot have synced it before it stalled.
+        assert outcome(run_cell(cluster, client, ws, kernel, (
+            "import threading, time\n"
+            "threading.Thread(target=lambda: (time.sleep(3), open('notes.txt', 'w')"
+            ".write('stale from a')), daemon=True).start()"))) == ""
+        stalled = cluster.agents[name]
+        local = tmp_path / name / "runtimes" / ws / "files" / "notes.txt"
+        os.killpg(stalled.pid, signal.SIGSTOP)
+        try:
+            # The agent timeout (10 s), then a placement. Not a minute more: a stalled
+            # host answers no request, and the scheduler's model rebuild asked it for
+            # its bindings with the agent client's 60 s timeout, holding the loop that
+            # declares hosts dead (the placement came 62 s after the stop).
+            wait_until(lambda: _workspace(client, ws)["state"] == "running"
+                       and _workspace(client, ws)["host_id"] == b, 45,
+                       what="the workspace placed on the other host")
+            assert outcome(run_cell(cluster, client, ws, kernel, (
+                "print(open('notes.txt').read())\n"
+                "open('notes.txt', 'w').write('new from b')"))) == "v1 from a\n"
+            wait_until(lambda: _stored(client, ws, "notes.txt") == b"new from b", 30,
+                       what="b's notes.txt in the store")
+            # a's copy is newer than the one the store had from a.
+            assert local.read_bytes() == b"stale from a"
+        finally:
+            before = _heartbeat(cluster, a)
+            os.killpg(stalled.pid, signal.SIGCONT)
+        wait_until(lambda: _heartbeat(cluster, a) != before, 30,
+                   what="the stalled host heartbeating again")
+        time.sleep(10 * SYNC_S)  # unfenced, a's sync uploads within two rounds of waking
+        assert _stored(client, ws, "notes.txt") == b"new from b"
+        wait_until(lambda: kernel not in _kernels_on(cluster, a), 30,
+                   what="the stalled host dropping its old runtime")
+        assert not local.exists()  # dropped with its working directory, not synced back
+        assert _stored(client, ws, "notes.txt") == b"new from b"
+        assert outcome(run_cell(cluster, client, ws, kernel,
+                                "print(open('notes.txt').read())")) == "new from b\n"

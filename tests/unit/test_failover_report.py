@@ -1,15 +1,25 @@
 """What a notebook is told after its host was lost, and what the gateway answers
-for cells the host never answered (``control/failover.py``, ``fleet/inflight.py``)."""
+for cells the host never answered (``control/failover.py``, ``fleet/inflight.py``);
+what the control plane records of a kernel's checkpoints and restarts."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
+import pytest
+from pydantic import ValidationError
+
 from nbfleet.agent.wire import V1_PROTOCOL, pack_v1, unpack_v1
 from nbfleet.control import failover
 from nbfleet.control.fleet.frames import execute_reply_parent
 from nbfleet.control.fleet.inflight import CellsInFlight
+from nbfleet.control.workspaces import HostLoss
+from nbfleet.db.engine import Database
+from nbfleet.db.tables import Workspace
+from nbfleet.model.workspace import DesiredState, WorkspaceState
+from nbfleet.protocol.checkpoints import CellCheckpoint
+from tests.support.rows import add_workspace
 
 LOST = {"host": "host-a", "at": "2026-11-28T01:02:03.000000+00:00",
         "reason": "host stopped heartbeating"}
@@ -108,3 +118,95 @@ def test_v1_frames_are_tracked_too() -> None:
     channel, parts, _ = unpack_v1(frames[1])
     assert channel == "shell" and json.loads(parts[3])["ename"] == "HostLost"
     assert execute_reply_parent(frames[1], V1_PROTOCOL) == "c9"
+
+
+def test_a_kernel_restarted_since_its_last_save_is_said_to_have_nothing_to_bring_back(
+        ) -> None:
+    """Its saved state was removed by the restart's report: it is not "lost", the
+    user cleared it, and no cell is claimed."""
+    snapshot = {"kernels": {"k1": {"key": "s/1", "cell": 5}},
+                "restarted": {"k2": {"at": "2026-11-28T01:00:00+00:00", "host": "host-a"}},
+                "host_lost": LOST}
+    facts = failover.report(snapshot, ["k1", "k2"])
+    assert facts is not None
+    assert facts["kernels"]["k2"] == {
+        "state": "restarted", "as_of_cell": None, "last_completed_cell": None,
+        "cells_not_saved": None, "interrupted": 0}
+    HostLoss.model_validate(facts)  # the restore summary's model takes it
+    told = failover.notices(snapshot, ["k1", "k2"], "host-b")
+    assert "had been restarted before the host was lost" in told["k2"]
+    assert "no variables to bring back" in told["k2"]
+    assert "cell [" not in told["k2"] and "they are lost" not in told["k2"]
+    assert "saved after cell [5]" in told["k1"]
+    # Told once, the loss's marks go; the restart's stays until a save replaces it.
+    assert failover.settle(snapshot) == {"kernels": snapshot["kernels"],
+                                         "restarted": snapshot["restarted"]}
+
+
+WS, KERNEL = "ws_failover", "k_failover"
+
+
+@pytest.fixture
+def running(db: Database) -> Database:
+    """A workspace running on host-a (boot b1), placed with generation 4."""
+    add_workspace(db, WS, KERNEL, "f", state=WorkspaceState.RUNNING,
+                  desired_state=DesiredState.RUNNING, generation=4, host_id="host-a",
+                  host_boot_id="b1", placed_generation=4)
+    return db
+
+
+def _report(key: str | None, cell: int, **fence: Any) -> CellCheckpoint:
+    body = {"agent_id": "host-a", "boot_id": "b1", "generation": 4, "kernel_id": KERNEL,
+            "key": key, "bytes": 10 if key else 0, "written": 10 if key else 0,
+            "cell": cell, **fence}
+    return CellCheckpoint.model_validate(body)
+
+
+def _recorded(db: Database) -> dict[str, Any]:
+    with db.transaction(write=False) as session:
+        ws = session.get(Workspace, WS)
+        assert ws is not None
+        return dict(ws.snapshot or {})
+
+
+def test_a_restart_s_report_removes_the_kernel_s_state_and_a_checkpoint_replaces_it(
+        running: Database) -> None:
+    db = running
+    assert failover.record_checkpoint(db, WS, _report("s/1", 3)).kept
+    recorded = failover.record_checkpoint(db, WS, _report(None, 0))
+    assert recorded.kept and recorded.replaced == "s/1"  # the agent deletes it
+    snapshot = _recorded(db)
+    assert snapshot["kernels"] == {} and snapshot["bytes"] == 0
+    assert snapshot["restarted"][KERNEL]["host"] == "host-a"
+    # A host loss now restores nothing for it, and says why.
+    lost = failover.report({**snapshot, "host_lost": LOST}, [KERNEL])
+    assert lost is not None and lost["kernels"][KERNEL]["state"] == "restarted"
+    # Again (a second restart): nothing more to delete.
+    assert failover.record_checkpoint(db, WS, _report(None, 0)).replaced is None
+    # The new process's first cell: its state counts again, the mark goes.
+    recorded = failover.record_checkpoint(db, WS, _report("s/2", 1))
+    assert recorded.kept and recorded.replaced is None
+    snapshot = _recorded(db)
+    assert snapshot["kernels"][KERNEL]["key"] == "s/2" and "restarted" not in snapshot
+
+
+def test_a_stale_host_s_restart_report_is_refused_like_its_checkpoints(
+        running: Database) -> None:
+    db = running
+    assert failover.record_checkpoint(db, WS, _report("s/1", 3)).kept
+    before = _recorded(db)
+    for stale, why in (({"boot_id": "an-old-boot"}, "runs elsewhere"),
+                       ({"agent_id": "host-z"}, "runs elsewhere"),
+                       ({"generation": 3}, "generation"),
+                       ({"kernel_id": "not-a-kernel"}, "no such kernel")):
+        recorded = failover.record_checkpoint(db, WS, _report(None, 0, **stale))
+        assert not recorded.kept and why in str(recorded.reason), recorded
+        assert recorded.replaced is None
+    assert _recorded(db) == before  # the state of cell 3 still counts
+
+
+def test_a_restart_s_report_names_no_state() -> None:
+    with pytest.raises(ValidationError):
+        _report(None, 3)  # a cell, yet nothing saved
+    with pytest.raises(ValidationError):
+        CellCheckpoint.model_validate({**_report("s/1", 1).model_dump(), "key": None})

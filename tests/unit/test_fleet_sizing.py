@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+from datetime import UTC, datetime
+from typing import Any, cast
 
+from nbfleet.control.fleet.provider import HostState, ProvisionedHost
+from nbfleet.control.fleet.scaling import Scaler
 from nbfleet.control.fleet.scheduler import LiveScheduler
 from nbfleet.control.fleet.sizing import FleetSettings, outgrown, policy_config, sized_policy
 from nbfleet.control.fleet.view import decisions_view
@@ -70,3 +74,22 @@ async def test_the_decision_log_pages_in_order() -> None:
     rest = decisions_view(live, after=first_two["next"], limit=100)
     assert [i["seq"] for i in rest["items"]] == seqs[2:]
     assert decisions_view(live, after=seqs[-1], limit=100)["items"] == []
+
+
+class _TwoHosts:
+    """A provider that started a1 and a2 (only ``hosts`` is consulted here)."""
+
+    def hosts(self) -> list[ProvisionedHost]:
+        return [ProvisionedHost(f"local-{n}", f"a{n}", HostState.RUNNING,
+                                datetime.now(UTC)) for n in (1, 2)]
+
+
+def test_hosts_on_their_way_out_do_not_raise_the_autoscaler_s_floor() -> None:
+    """A host the scaler released is registered until its heartbeats lapse; it is
+    not a host someone else started, or the floor would jump to the fleet's peak
+    and the autoscaler would scale out again at once."""
+    scaler = Scaler(cast(Any, None), cast(Any, _TwoHosts()))
+    fleet = ["static", "a1", "a2", "gone-a3", "admin-drained"]
+    assert scaler.static_hosts(fleet) == 3
+    scaler.draining.add("gone-a3")  # released by this scaler, still registered
+    assert scaler.static_hosts(fleet, leaving={"admin-drained"}) == 1

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from nbfleet.storage.blobs import BlobStore
+from nbfleet.storage.collect import Collected, collect, snapshot_keys
 from nbfleet.storage.snapshots import (
     CorruptSnapshot,
     cas_key,
@@ -148,3 +149,86 @@ def test_a_manifest_naming_a_path_for_a_blob_never_reaches_the_file_system(
     with pytest.raises(CorruptSnapshot, match="not a SHA-256 digest"):
         download_state(store, WS, key, str(target), reuse=str(staged))
     assert not (tmp_path / "t1" / "t2" / "outside").exists()
+
+
+def _snapshot(store: BlobStore, tmp_path: Path, workspace: str, name: str,
+              values: dict[str, bytes]) -> str:
+    write_state(tmp_path / name, values)
+    return upload_state(store, workspace, "k1", str(tmp_path / name)).key
+
+
+def _stored(root: Path, workspace: str) -> set[str]:
+    top = root / "workspaces" / workspace
+    return {str(p.relative_to(top)) for p in top.rglob("*") if p.is_file()}
+
+
+def test_collection_keeps_what_the_kept_snapshots_name_and_nothing_else(
+        tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    store = BlobStore(str(root))
+    a, b, c, d = (os.urandom(1000) for _ in range(4))
+    first = _snapshot(store, tmp_path, WS, "s1", {"a": a, "b": b})
+    previous = _snapshot(store, tmp_path, WS, "s2", {"a": a, "c": c})
+    new = _snapshot(store, tmp_path, WS, "s3", {"a": a, "d": d})
+    packages = tmp_path / "site"
+    (packages / "pkg").mkdir(parents=True)
+    (packages / "pkg" / "__init__.py").write_text("x = 1\n")
+    layer = store_layer(store, WS, str(packages))
+    assert layer is not None
+    theirs = _snapshot(store, tmp_path, "ws_other", "o1", {"b": b})  # the same bytes
+    others = _stored(root, "ws_other")
+
+    first_size = (root / first).stat().st_size
+    done = collect(store, WS, {previous, new, layer})
+    assert done == Collected(manifests=1, blobs=1, bytes=first_size + len(b))
+    assert not (root / first).exists()
+    assert not (root / cas_key(WS, hashlib.sha256(b).hexdigest())).exists()
+    for key in (previous, new):
+        download_state(store, WS, key, str(tmp_path / f"check-{key[-9:]}"))
+    restore_layer(store, WS, layer, str(tmp_path / "site-back"))
+    assert _stored(root, "ws_other") == others  # another workspace is never touched
+    download_state(store, "ws_other", theirs, str(tmp_path / "theirs"))
+
+    # The next suspend: only the new snapshot is kept.
+    again = collect(store, WS, {new})
+    assert (again.manifests, again.blobs) == (1, 2)  # previous, c and the layer
+    assert collect(store, WS, {new}) == Collected()
+    download_state(store, WS, new, str(tmp_path / "final"))
+
+
+def test_collection_deletes_nothing_when_a_kept_manifest_cannot_be_read(
+        tmp_path: Path) -> None:
+    """The snapshot is broken already: what is left may be all there is to mend it."""
+    root = tmp_path / "store"
+    store = BlobStore(str(root))
+    kept = _snapshot(store, tmp_path, WS, "s1", {"a": b"a" * 100})
+    _snapshot(store, tmp_path, WS, "s2", {"b": b"b" * 100})
+    before = _stored(root, WS)
+    missing = kept.replace(".json", "0.json")
+    with pytest.raises(CorruptSnapshot, match="missing"):
+        collect(store, WS, {kept, missing})
+    (root / kept).write_text("{not json")
+    with pytest.raises(CorruptSnapshot, match="not valid JSON"):
+        collect(store, WS, {kept})
+    assert _stored(root, WS) == before
+
+
+def test_collection_refuses_another_workspaces_keys(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    store = BlobStore(str(root))
+    mine = _snapshot(store, tmp_path, WS, "s1", {"a": b"a" * 100})
+    theirs = _snapshot(store, tmp_path, "ws_other", "o1", {"a": b"a" * 100})
+    before = _stored(root, WS)
+    with pytest.raises(ValueError):
+        collect(store, WS, {mine, theirs})
+    with pytest.raises(ValueError):
+        collect(store, WS, {mine, "workspaces/ws_test/files/notes.txt"})
+    assert _stored(root, WS) == before
+
+
+def test_the_keys_a_workspace_snapshot_names() -> None:
+    record = {"kernels": {"k1": {"key": "m1", "cell": 3}, "k2": {"cell": 1}},
+              "packages": "layer", "restarted": {"k3": {"at": "now"}}}
+    assert snapshot_keys(record) == {"m1", "layer"}
+    assert snapshot_keys({"kernels": {}, "packages": None}) == set()
+    assert snapshot_keys(None) == set()

@@ -17,6 +17,14 @@ what remains.
 
 Cells quicker than a checkpoint are coalesced: one checkpoint covers them all.
 One task per kernel reports in order, so a report never replaces a later one.
+
+A restart of the kernel's process (its user's, or the agent's after a crash)
+empties its namespace on purpose: the same task then reports that it holds
+nothing (a report with no key), so a lost host does not bring back the variables
+the restart cleared. A checkpoint of the old process still being taken gives up
+(the restart fails its request; ``restarts`` is checked before the upload and
+before the report). One already being reported is let finish, not cancelled: a
+request cut off may still be recorded, after the reset. The reset follows it.
 """
 
 from __future__ import annotations
@@ -84,6 +92,9 @@ class _Due:
     content: str | None = None
     #: The kernel went away (``Checkpointer.forget``): nothing more is uploaded.
     gone: bool = False
+    #: Its process was restarted since the last report, in the runtime of this
+    #: generation: "nothing saved" is due. None: no reset due.
+    reset: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,8 +102,9 @@ class Done:
     """One checkpoint, for ``on_done`` (tests and the benchmark read these)."""
 
     kernel_id: str
+    #: 0 and key None: the report of a restart (nothing saved).
     cell: int
-    key: str
+    key: str | None
     kept: bool
     #: From the cell's execute_reply to the control plane's answer.
     seconds: float
@@ -114,12 +126,34 @@ class Checkpointer:
 
     def watch(self, kernel: KernelProcess) -> None:
         kernel.on_cell_done = self.cell_done
+        kernel.on_restart = self.restarted
 
     def cell_done(self, kernel: KernelProcess) -> None:
+        self._due_of(kernel).dirty = True
+        self._start(kernel)
+
+    def restarted(self, kernel: KernelProcess) -> None:
+        """The kernel's process was replaced: what was saved of the old one must not
+        come back after a lost host. Reported by the kernel's one task, after any
+        report of the old process already on its way, so it is never overtaken."""
+        generation = self.generation(kernel)
+        if generation is None:
+            # Not serving its runtime (yet): a restart while it is placed, before its
+            # restore, clears nothing of the user's (the placing agent's own).
+            return
+        due = self._due_of(kernel)
+        due.reset = generation
+        due.dirty = False  # the old process's cells: nothing of theirs is left
+        self._start(kernel)
+
+    def _due_of(self, kernel: KernelProcess) -> _Due:
         due = self._due.get(kernel)
         if due is None:
-            due = self._due[kernel] = _Due(kernel)
-        due.dirty = True
+            due = self._due[kernel] = _Due(kernel, dirty=False)
+        return due
+
+    def _start(self, kernel: KernelProcess) -> None:
+        due = self._due[kernel]
         if due.task is None or due.task.done():
             due.task = asyncio.create_task(self._run(due, time.perf_counter()),
                                            name=f"checkpoint-{kernel.id}")
@@ -131,6 +165,7 @@ class Checkpointer:
         for that lock would never end (a release hung on it for good). It finds
         ``gone`` set once it has the lock, and does nothing."""
         kernel.on_cell_done = lambda kernel: None
+        kernel.on_restart = lambda kernel: None
         due = self._due.pop(kernel, None)
         if due is not None and due.task is not None:
             due.gone = True
@@ -145,7 +180,18 @@ class Checkpointer:
         # of a reply: its reply starts the checkpoint covering both, instead of this
         # one's request going ahead of it in the kernel's queue.
         await asyncio.sleep(SETTLE_S)
-        while due.dirty:
+        while due.reset is not None or due.dirty:
+            if due.reset is not None:  # first: a checkpoint of the new process replaces it
+                generation, due.reset = due.reset, None
+                try:
+                    await self._reset(due, generation, since)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # the control plane down: the next cell's
+                    CHECKPOINTS.labels("failed").inc()  # checkpoint replaces the old
+                    log.warning("reset of kernel %s not reported: %r", kernel.id, exc)
+                since = time.perf_counter()
+                continue
             if kernel.cells_pending:  # the next cell's reply starts the one covering both
                 return
             due.dirty = False
@@ -158,6 +204,27 @@ class Checkpointer:
                 log.warning("checkpoint of kernel %s failed: %r", kernel.id, exc)
             since = time.perf_counter()
 
+    async def _reset(self, due: _Due, generation: int, since: float) -> None:
+        """Report that the kernel holds nothing: its process was restarted in the
+        runtime of ``generation``."""
+        kernel = due.kernel
+        if due.gone or self.generation(kernel) != generation:
+            return  # it left that runtime: a suspend or a move saved its state
+        # The new process's first snapshot may equal the old one's last (the same
+        # cells run again), whose manifest this reset has the agent delete.
+        due.content = due.last = None
+        recorded = await self.report(kernel.workspace_id, generation, kernel.id,
+                                     {"key": None, "bytes": 0, "written": 0}, 0)
+        if recorded.kept:
+            if recorded.replaced in due.ours:
+                due.ours.discard(recorded.replaced)
+                await asyncio.to_thread(self._delete, recorded.replaced)
+        else:
+            log.info("reset of kernel %s not kept: %s", kernel.id, recorded.reason)
+        CHECKPOINTS.labels("reset" if recorded.kept else "refused").inc()
+        self.on_done(Done(kernel.id, 0, None, recorded.kept,
+                          round(time.perf_counter() - since, 6)))
+
     async def _checkpoint(self, due: _Due, since: float) -> None:
         kernel = due.kernel
         workspace_id = kernel.workspace_id
@@ -167,6 +234,7 @@ class Checkpointer:
         if kernel.cells_pending:  # one came meanwhile: its reply starts the next
             due.dirty = True
             return
+        restarts = kernel.restarts
         # The kernel writes the snapshot on its own thread: nothing of the agent's
         # waits meanwhile (a suspend, an API write), only this task.
         self._seq += 1
@@ -179,6 +247,8 @@ class Checkpointer:
             if (due.gone or self.generation(kernel) != generation
                     or kernel.execution_state == "dead"):
                 return  # suspended, moved or released meanwhile: it saved its own state
+            if kernel.restarts != restarts:
+                return  # the old process's state: the restart's reset replaces it
             assert kernel.state_dir is not None
             content = await asyncio.to_thread(_content_digest, kernel.state_dir)
             reused = content is not None and content == due.content and due.last is not None
@@ -187,6 +257,9 @@ class Checkpointer:
             else:
                 saved = await asyncio.to_thread(statesync.upload, self.blobs, workspace_id,
                                                 kernel, due.known)
+                if kernel.restarts != restarts:  # restarted while it uploaded
+                    await asyncio.to_thread(self._delete, str(saved["key"]))
+                    return
                 due.content, due.last = content, dict(saved, written=0)
         key = str(saved["key"])
         # Not deleted if this fails: the control plane may have kept it.
@@ -224,7 +297,8 @@ async def _flush(kernel: KernelProcess, seq: int) -> int | None:
         reply = await kernel.execute_internal(CHECKPOINT.format(seq=seq), REQUEST_TIMEOUT_S,
                                               {"count": COUNT})
     except TimeoutError:
-        log.warning("kernel %s did not take a checkpoint request in time", kernel.id)
+        if kernel.restarts == restarts:  # else the restart failed it: nothing to say
+            log.warning("kernel %s did not take a checkpoint request in time", kernel.id)
         return None
     if reply.get("status") != "ok":
         log.warning("kernel %s could not checkpoint: %s", kernel.id,

@@ -229,6 +229,10 @@ class KernelProcess:
         self.restarts = 0
         #: Called after each client cell's execute_reply (``agent/checkpoints``).
         self.on_cell_done: Callable[[KernelProcess], None] = lambda kernel: None
+        #: Called as the process is replaced (a restart asked for, or after a death),
+        #: once ``restarts`` moved on: the state saved of the old one must not be
+        #: brought back (``agent/checkpoints``).
+        self.on_restart: Callable[[KernelProcess], None] = lambda kernel: None
 
     # ----------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -394,6 +398,9 @@ class KernelProcess:
             self.cells_pending.clear()
             self.restarts += 1
             self._fail_waiters("the kernel restarted")
+            # Before the new process starts: its variables are gone whatever follows
+            # (a restart that fails leaves a dead kernel, not the old namespace).
+            self.on_restart(self)
             # Every cell the old process had ends; those held for the new one stay.
             self.bindings.end_all(keep=[message.msg_id for _, message in self._held])
             await self.manager.restart_kernel(now=True)

@@ -19,6 +19,13 @@ changed but whose bytes are those the loop last uploaded for it (rewritten with
 the same content, touched) is read and hashed, not uploaded. Only bytes this loop
 uploaded are known: a file as materialized from the store is uploaded once the
 first time its stamp changes.
+
+Fenced by a lease (:class:`Lease`): a round writes only while the agent's last
+heartbeat that the control plane answered was sent recently enough that the
+control plane cannot have presumed this host dead since and placed its workspaces
+elsewhere. An agent that stalled (SIGSTOP, a frozen VM) past the agent timeout
+skips its rounds when it wakes, until a heartbeat has told it which of its
+runtimes are no longer its own (``RuntimeManager.fence_off``).
 """
 
 from __future__ import annotations
@@ -38,6 +45,39 @@ log = logging.getLogger(__name__)
 SCAN_SHARE = 0.1
 #: A file that keeps changing is synced anyway after this many intervals.
 MAX_WAIT_ROUNDS = 5
+#: The control plane's agent timeout where it does not say (an older control
+#: plane's heartbeat reply has no body): its default.
+DEFAULT_AGENT_TIMEOUT_S = 10.0
+#: The share of the agent timeout a heartbeat's lease lasts. The rest is left for a
+#: round that found the lease held to finish its uploads before the control plane
+#: may presume the host dead (a round longer than that is not fenced).
+LEASE_SHARE = 0.5
+
+
+@dataclass
+class Lease:
+    """The agent's right to write to the store on its own (pure: the caller passes
+    the clock, ``time.monotonic()``). Measured from when the last heartbeat that
+    was answered was *sent*: the control plane recorded it no earlier, so it cannot
+    presume this host dead before ``timeout_s`` after that."""
+
+    timeout_s: float = DEFAULT_AGENT_TIMEOUT_S
+    #: When the last answered heartbeat was sent (None: none yet).
+    sent_at: float | None = None
+
+    def renew(self, sent_at: float, timeout_s: float) -> None:
+        """A heartbeat sent at ``sent_at`` was answered (a late answer to an older
+        one never moves the lease back)."""
+        self.timeout_s = timeout_s
+        if self.sent_at is None or sent_at > self.sent_at:
+            self.sent_at = sent_at
+
+    def age(self, now: float) -> float | None:
+        return None if self.sent_at is None else now - self.sent_at
+
+    def held(self, now: float) -> bool:
+        age = self.age(now)
+        return age is not None and age < self.timeout_s * LEASE_SHARE
 
 
 @dataclass
@@ -84,11 +124,17 @@ class LiveSync:
     live: Callable[[], bool]
     lock: asyncio.Lock
     interval_s: float
+    #: Writes only while held (None: no control plane can presume this host dead).
+    lease: Lease | None = None
+    clock: Callable[[], float] = time.monotonic
     settling: Settling = field(init=False)
     #: What this loop uploaded (see ``filesync.Digests``).
     digests: filesync.Digests = field(init=False, default_factory=dict)
     #: How long the last scan took.
     scan_s: float = field(init=False, default=0.0)
+    #: A round was skipped for a stale lease since the last one that was not (it
+    #: was logged; the next skips are not).
+    skipping: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         self.settling = Settling(self.interval_s * MAX_WAIT_ROUNDS)
@@ -117,7 +163,7 @@ class LiveSync:
         if not ready:
             return []
         async with self.lock:
-            if not self.live():
+            if not self.live() or not self._lease_held():
                 return []
             # Checked again against the manifest as it is now, under the lock: an
             # API write since the scan updated it, and is not uploaded again.
@@ -127,3 +173,18 @@ class LiveSync:
             await asyncio.to_thread(filesync.sync_paths, self.files, self.workspace_id,
                                     self.workdir(), manifest, ready, self.digests)
         return ready
+
+    def _lease_held(self) -> bool:
+        """Checked under the lock, just before writing; a stale lease is logged once
+        per lapse, and the paths ready now are synced at a round that holds it."""
+        if self.lease is None or self.lease.held(self.clock()):
+            self.skipping = False
+            return True
+        if not self.skipping:
+            self.skipping = True
+            age = self.lease.age(self.clock())
+            log.warning("file sync of %s paused: %s, so the control plane may have placed "
+                        "it elsewhere (tried again next round)", self.workspace_id,
+                        "no heartbeat answered yet" if age is None
+                        else f"the last heartbeat answered was sent {age:.1f} s ago")
+        return False

@@ -9,18 +9,23 @@ was made.
 from __future__ import annotations
 
 import asyncio
+import logging
 import shutil
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from nbfleet.agent import filesync, preimports, statesync
+from nbfleet.agent import filesync, preimports, standby_state, statesync
 from nbfleet.agent.kernel_process import KernelProcess
 from nbfleet.agent.slots import WARM_IMPORTS, Slot
-from nbfleet.agent.standbys import Standby, promote_files
+from nbfleet.agent.standbys import Staged, Standby, promote_files
 from nbfleet.model.limits import Limits
+from nbfleet.storage.snapshots import CorruptSnapshot
 
 if TYPE_CHECKING:
     from nbfleet.agent.runtimes import RuntimeManager
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -102,12 +107,33 @@ async def place(manager: RuntimeManager, workspace_id: str, generation: int,
     return placed
 
 
+async def _bring_forward(manager: RuntimeManager, workspace_id: str, kernel: KernelProcess,
+                         key: str | None, staged: Staged | None) -> dict[str, Any] | None:
+    """Apply snapshot ``key`` to a standby kernel that holds an earlier one; its
+    report, or None where a fresh kernel must restore it instead."""
+    if key is None:
+        return None
+    try:
+        return await standby_state.bring_forward(
+            manager.blobs, workspace_id, kernel, key,
+            staged.directory if staged is not None else None)
+    except standby_state.NeedsFresh as why:
+        log.warning("promoting %s: kernel %s restored afresh: %s", workspace_id, kernel.id, why)
+    except (statesync.KernelFailed, CorruptSnapshot, TimeoutError, ValueError,
+            OSError) as exc:
+        log.warning("promoting %s: kernel %s could not apply %s, restored afresh: %r",
+                    workspace_id, kernel.id, key, exc)
+    return None
+
+
 async def promote(manager: RuntimeManager, standby: Standby, generation: int,
                   kernels: list[tuple[str, str]], snapshot: dict[str, str],
                   packages: str | None, notices: dict[str, str]) -> Placed:
     """Serve the workspace from the standby kept here: its kernels run already,
-    and the state staged is loaded instead of downloaded (when it is the one
-    asked for; else the asked one is downloaded, as on any placement)."""
+    each with the checkpoint asked for loaded (nothing to do), or an earlier one
+    (the asked one applied on top where that is exact), or nothing yet (restored
+    from the staged one, or downloaded). Else a fresh kernel restores it, as on any
+    placement."""
     workspace_id = standby.workspace_id
     runtime = Runtime(workspace_id, generation, standby.slot)
     placed = Placed(runtime)
@@ -116,16 +142,37 @@ async def promote(manager: RuntimeManager, standby: Standby, generation: int,
         # The caller promotes only a standby made with these packages.
         placed.packages = {"restored": packages is not None}
         for kernel_id, name in kernels:
+            key = snapshot.get(kernel_id)
+            staged = standby.staged.get(kernel_id)
+            holds, fresh = standby.holds(kernel_id, key), standby.is_fresh(kernel_id)
             kernel = standby.kernels.pop(kernel_id, None)
+            started = time.perf_counter()
+            #: What the kernel holds in memory already (None: to be restored).
+            held: dict[str, Any] | None = None
+            if holds and staged is not None:
+                held = staged.report
+            elif kernel is not None and kernel.execution_state == "dead":
+                await kernel.shutdown()  # it would answer nothing: a fresh kernel
+                kernel = None
+            elif kernel is not None and not fresh:
+                # It holds another checkpoint than the one asked for: brought
+                # forward where that is exact, else replaced by a fresh kernel.
+                held = await _bring_forward(manager, workspace_id, kernel, key, staged)
+                if held is None or held.get("recomputed"):
+                    await kernel.shutdown()
+                    kernel, held = None, None
             path = "standby"
             if kernel is None:  # started after the standby was last brought up to date
                 kernel, path = await manager._start_kernel(runtime, kernel_id, name), "cold"
+                held = None
             else:
                 manager._register(runtime, kernel)
             if notices.get(kernel_id):
                 kernel.announce(notices[kernel_id])
-            key = snapshot.get(kernel_id)
-            staged = standby.staged.get(kernel_id)
+            if held is not None:
+                placed.restore[kernel_id] = statesync.report_loaded(
+                    kernel, path, held, holds, 0.0 if holds else time.perf_counter() - started)
+                continue  # its values are in memory
             ready = staged is not None and key is not None and staged.key == key
             if ready and staged is not None:
                 del standby.staged[kernel_id]  # moved into the kernel's state

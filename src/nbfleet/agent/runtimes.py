@@ -4,6 +4,11 @@ Every command carries the workspace generation. The agent remembers the highest
 generation it has seen per workspace and refuses older commands, so a delayed
 "place" can never resurrect a runtime that a newer "release" removed. One lock per
 workspace serializes commands, so a resume asked for twice gives one runtime.
+
+A runtime the control plane no longer places here (this host was presumed dead
+and the workspace runs elsewhere) is fenced off as soon as a heartbeat says so:
+it writes nothing to the store from then on, and is torn down without syncing
+its files back (:meth:`RuntimeManager.fence_off`).
 """
 
 from __future__ import annotations
@@ -11,13 +16,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from nbfleet.agent import filesync, placing, preimports, statesync
 from nbfleet.agent.checkpoints import Checkpointer
 from nbfleet.agent.kernel_process import KernelProcess
-from nbfleet.agent.livesync import LiveSync
+from nbfleet.agent.livesync import Lease, LiveSync
 from nbfleet.agent.placing import Placed, Runtime
 from nbfleet.agent.sandbox import Isolation, gpu_devices
 from nbfleet.agent.slots import Slot, new_kernel
@@ -36,7 +41,7 @@ class RuntimeManager:
                  isolation: Isolation | None = None, release_delay_s: float = 0.0,
                  warm_pool: int = 0, warm_profiles: int | None = None,
                  on_released: Callable[[list[str]], None] | None = None,
-                 file_sync_interval_s: float = 0.0) -> None:
+                 file_sync_interval_s: float = 0.0, lease: Lease | None = None) -> None:
         self.runtimes_dir = f"{state_dir}/runtimes"
         self.sockets_dir = sockets_dir
         self.isolation = isolation or Isolation(None)
@@ -64,6 +69,12 @@ class RuntimeManager:
         #: Seconds between syncs of what a live runtime's kernels write (0: only at
         #: suspend and release). See ``livesync``.
         self.file_sync_interval_s = file_sync_interval_s
+        #: The agent's lease on writing files to the store on its own (None: no
+        #: control plane can presume this host dead, as in tests).
+        self.lease = lease
+        #: workspace id -> its runtime fenced off (being dropped: ``fence_off``).
+        self._fenced: dict[str, Runtime] = {}
+        self._drops: set[asyncio.Task[None]] = set()
         #: Saves each kernel's state after every cell (None: only at suspend).
         self.checkpoints: Checkpointer | None = None
         #: Other hosts' workspaces kept warm here (``standbys``).
@@ -114,12 +125,13 @@ class RuntimeManager:
         async with self._lock(workspace_id):
             self._fence(workspace_id, generation)
             runtime = self.runtimes.get(workspace_id)
-            if runtime is not None and runtime.generation < generation:
+            if runtime is not None and (runtime.generation < generation
+                                        or self._fenced.get(workspace_id) is runtime):
                 # A placement is asked for only when the last one ended (released,
                 # moved, or lost with its host): a runtime still here from an older
-                # one is a placement the control plane gave up on (this host was
-                # presumed dead), with state older than the store's. Replaced.
-                log.warning("replacing a stale runtime of %s (generation %d < %d)",
+                # one (or fenced off) is a placement the control plane gave up on
+                # (this host was presumed dead), with state older than the store's.
+                log.warning("replacing a stale runtime of %s (generation %d, asked %d)",
                             workspace_id, runtime.generation, generation)
                 await self._teardown(runtime, sync=False)
                 runtime = None
@@ -167,9 +179,8 @@ class RuntimeManager:
             return
         workspace_id = runtime.workspace_id
         loop = LiveSync(self.files, workspace_id, lambda: runtime.workdir,
-                        lambda: runtime.manifest,
-                        lambda: self.runtimes.get(workspace_id) is runtime,
-                        self._lock(workspace_id), self.file_sync_interval_s)
+                        lambda: runtime.manifest, lambda: self._owns(runtime),
+                        self._lock(workspace_id), self.file_sync_interval_s, self.lease)
         runtime.syncing = asyncio.create_task(loop.run(), name=f"file-sync-{workspace_id}")
 
     def _restore_layer(self, workspace_id: str, key: str | None, slot: Slot) -> dict[str, Any]:
@@ -262,9 +273,11 @@ class RuntimeManager:
             self.checkpoints.watch(kernel)
 
     def runtime_generation(self, kernel: KernelProcess) -> int | None:
-        """The generation of the runtime ``kernel`` runs in, or None once it left it."""
+        """The generation of the runtime ``kernel`` runs in, or None once it left it
+        (or the runtime was fenced off: its checkpoints would be refused anyway)."""
         runtime = self.runtimes.get(kernel.workspace_id)
-        if runtime is None or runtime.kernels.get(kernel.id) is not kernel:
+        if runtime is None or runtime.kernels.get(kernel.id) is not kernel \
+                or not self._owns(runtime):
             return None
         return runtime.generation
 
@@ -289,6 +302,52 @@ class RuntimeManager:
         if kernel is None:
             raise NotFound(f"no kernel {kernel_id} on this host")
         return kernel
+
+    # ----------------------------------------------------------------- fencing
+    def _owns(self, runtime: Runtime) -> bool:
+        """Whether ``runtime`` is still this host's to write from: registered, and
+        not fenced off."""
+        workspace_id = runtime.workspace_id
+        return (self.runtimes.get(workspace_id) is runtime
+                and self._fenced.get(workspace_id) is not runtime)
+
+    def held(self) -> list[tuple[str, int]]:
+        """(workspace id, generation) of each runtime here not fenced off yet: what
+        the heartbeat reports."""
+        return [(ws, runtime.generation) for ws, runtime in self.runtimes.items()
+                if self._fenced.get(ws) is not runtime]
+
+    def fence_off(self, stale: Iterable[str], reported: Mapping[str, int]) -> list[str]:
+        """The control plane no longer places these workspaces here (a heartbeat's
+        reply; ``reported``: the generations that heartbeat named). Synchronous, so
+        the caller renews the lease only once their file syncs and checkpoints have
+        stopped; each is then torn down without syncing its files back, which
+        would overwrite what the workspace's new placement wrote. A runtime placed
+        again since the heartbeat (another generation) is left alone. Returns the
+        workspaces fenced off."""
+        fenced = []
+        for workspace_id in stale:
+            runtime = self.runtimes.get(workspace_id)
+            if runtime is None or runtime.generation != reported.get(workspace_id) \
+                    or self._fenced.get(workspace_id) is runtime:
+                continue
+            log.warning("the control plane no longer places %s (generation %d) on this "
+                        "host: dropping its runtime without syncing its files back",
+                        workspace_id, runtime.generation)
+            self._fenced[workspace_id] = runtime
+            task = asyncio.create_task(self._drop(runtime), name=f"drop-{workspace_id}")
+            self._drops.add(task)
+            task.add_done_callback(self._drops.discard)
+            fenced.append(workspace_id)
+        return fenced
+
+    async def _drop(self, runtime: Runtime) -> None:
+        try:
+            async with self._lock(runtime.workspace_id):
+                if self.runtimes.get(runtime.workspace_id) is runtime:
+                    await self._teardown(runtime, sync=False)
+        except Exception:
+            log.exception("could not drop the fenced-off runtime of %s", runtime.workspace_id)
 
     # --------------------------------------------------------------- releasing
     async def suspend(self, workspace_id: str, generation: int,
@@ -370,6 +429,8 @@ class RuntimeManager:
             )
         if self.runtimes.get(runtime.workspace_id) is runtime:
             del self.runtimes[runtime.workspace_id]
+        if self._fenced.get(runtime.workspace_id) is runtime:
+            del self._fenced[runtime.workspace_id]
         await asyncio.to_thread(runtime.slot.remove)
 
     async def write_file(self, workspace_id: str, path: str, data: bytes | None) -> None:
@@ -385,13 +446,17 @@ class RuntimeManager:
                 runtime.manifest[path] = await asyncio.to_thread(
                     filesync.write_local, runtime.workdir, path, data, runtime.slot.owner)
 
-    async def shutdown(self) -> None:
-        """Agent exit: stop every kernel and save what the kernels wrote."""
+    async def shutdown(self, sync: bool = True) -> None:
+        """Agent exit: stop every kernel and save what the kernels wrote, except from
+        a runtime fenced off. ``sync``: False when the agent exits without its
+        lease (the control plane may have placed its workspaces elsewhere)."""
+        await asyncio.gather(*self._drops, return_exceptions=True)
         await self.pool.shutdown()
         await self.standbys.shutdown()
         for runtime in list(self.runtimes.values()):
             try:
                 async with self._lock(runtime.workspace_id):
-                    await self._teardown(runtime, sync=True)
+                    if self.runtimes.get(runtime.workspace_id) is runtime:
+                        await self._teardown(runtime, sync=sync and self._owns(runtime))
             except Exception:
                 log.exception("could not tear down runtime %s", runtime.workspace_id)

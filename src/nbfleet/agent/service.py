@@ -10,6 +10,7 @@ import os
 import secrets
 import shutil
 import tempfile
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,7 @@ from pydantic import ValidationError
 from nbfleet.agent.bindings import ReleaseQueue
 from nbfleet.agent.checkpoints import Checkpointer
 from nbfleet.agent.jobs import JobRunner
+from nbfleet.agent.livesync import DEFAULT_AGENT_TIMEOUT_S, Lease
 from nbfleet.agent.runtimes import RuntimeManager
 from nbfleet.agent.sandbox import open_isolation
 from nbfleet.model.limits import Limits
@@ -30,6 +32,8 @@ from nbfleet.protocol.agent import (
     AttemptFinish,
     DrainRequest,
     Heartbeat,
+    HeartbeatReply,
+    HeldRuntime,
     JobDirective,
     JobDirectives,
     JobHeartbeats,
@@ -111,6 +115,14 @@ def local_id(agent_id: str, state_dir: str) -> str:
     """
     digest = hashlib.sha256(os.path.realpath(state_dir).encode()).hexdigest()[:8]
     return f"{agent_id}-{digest}"
+
+
+def heartbeat_reply(response: httpx.Response) -> HeartbeatReply:
+    """The reply to a heartbeat that succeeded. An older control plane answers 204
+    with no body: its default agent timeout, and no runtime named stale."""
+    if response.status_code == 204 or not response.content:
+        return HeartbeatReply(agent_timeout_s=DEFAULT_AGENT_TIMEOUT_S)
+    return HeartbeatReply.model_validate(response.json())
 
 
 def kernelspecs() -> dict[str, Any]:
@@ -203,6 +215,8 @@ class AgentService:
         #: :meth:`running` drains it.
         self.released = ReleaseQueue()
         self.reporter = ControlReporter(self._http, self.agent_id, self.boot_id)
+        #: Renewed by each heartbeat answered: the file syncs write only while held.
+        self.lease = Lease()
 
     @property
     def manager(self) -> RuntimeManager:
@@ -267,7 +281,7 @@ class AgentService:
                 isolation=self.isolation, release_delay_s=self.config.release_delay_s,
                 warm_pool=self.config.warm_pool, warm_profiles=self.config.warm_profiles,
                 on_released=self.released.put,
-                file_sync_interval_s=self.config.file_sync_interval_s,
+                file_sync_interval_s=self.config.file_sync_interval_s, lease=self.lease,
             )
             if self.config.cell_checkpoints:
                 self.runtimes.checkpoints = Checkpointer(
@@ -286,22 +300,40 @@ class AgentService:
         log.info("registered as %s (%s)", self.agent_id, self.boot_id)
 
     async def heartbeat_forever(self) -> None:
+        """The first at once (the lease on writing files starts with it), then one
+        every ``HEARTBEAT_INTERVAL_S``."""
         while True:
-            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
-            deaths = self.runtimes.deaths[:] if self.runtimes is not None else []
             try:
-                body = Heartbeat(boot_id=self.boot_id,
-                                 kernel_deaths=[KernelDeath.model_validate(d) for d in deaths])
-                response = await self._http.post(
-                    f"/internal/agents/{self.agent_id}/heartbeat",
-                    json=body.model_dump(mode="json"),
-                )
-                if response.status_code in (404, 409):
-                    await self.register()  # the control plane lost or replaced our record
-                elif response.is_success and self.runtimes is not None:
-                    del self.runtimes.deaths[:len(deaths)]
-            except (httpx.HTTPError, ValidationError) as exc:
+                await self.heartbeat()
+            except (httpx.HTTPError, ValueError) as exc:  # ValidationError is one
                 log.warning("heartbeat failed: %s", exc)
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+    async def heartbeat(self) -> None:
+        """Report the kernels that died and the runtimes held; once answered, fence
+        off those the reply says are no longer placed here, then renew the lease
+        from when this heartbeat was sent. Both happen without an await between
+        them, so no file sync writes from a runtime fenced off with a fresh lease."""
+        runtimes = self.runtimes
+        deaths = runtimes.deaths[:] if runtimes is not None else []
+        held = dict(runtimes.held()) if runtimes is not None else {}
+        body = Heartbeat(boot_id=self.boot_id,
+                         kernel_deaths=[KernelDeath.model_validate(d) for d in deaths],
+                         runtimes=[HeldRuntime(workspace_id=ws, generation=generation)
+                                   for ws, generation in held.items()])
+        sent = time.monotonic()
+        response = await self._http.post(f"/internal/agents/{self.agent_id}/heartbeat",
+                                         json=body.model_dump(mode="json"))
+        if response.status_code in (404, 409):
+            await self.register()  # the control plane lost or replaced our record
+            return
+        response.raise_for_status()
+        if runtimes is not None:
+            del runtimes.deaths[:len(deaths)]
+        reply = heartbeat_reply(response)
+        if runtimes is not None:
+            runtimes.fence_off(reply.stale, held)
+        self.lease.renew(sent, reply.agent_timeout_s)
 
     async def drain(self) -> None:
         """Before stopping: ask the control plane to drain this host (its workspaces
@@ -338,6 +370,9 @@ class AgentService:
         try:
             yield
         finally:
+            # Whether the control plane may have placed this host's workspaces
+            # elsewhere, as the agent begins to exit: if so, nothing is synced back.
+            leased = self.lease.held(time.monotonic())
             for task in (beat, releases):
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -345,7 +380,10 @@ class AgentService:
             if self.jobs is not None:
                 await self.jobs.close()
             if self.runtimes is not None:
-                await self.runtimes.shutdown()
+                if not leased and self.runtimes.runtimes:
+                    log.warning("exiting without the lease: files kernels wrote since the "
+                                "last sync are not synced back")
+                await self.runtimes.shutdown(sync=leased)
             with contextlib.suppress(Exception):  # best effort: the kernels just ended
                 async with asyncio.timeout(2.0):
                     await self.released.send_once(self.reporter.released)

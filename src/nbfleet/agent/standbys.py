@@ -4,15 +4,16 @@ Under a replica policy the scheduler gives a GPU workspace's kernel several
 hosts; it runs on one. On each of the others the control plane keeps a standby
 (``control/standbys.py``): a sandbox slot with the workspace's files and package
 layer, its kernels started with the modules their state needs already imported,
-and the state of the executor's last checkpointed cell downloaded and verified on
-this host's disk. After each cell the control plane sends the new checkpoint,
-off the critical path; only the blobs this host lacks are fetched.
+and the state of the executor's last checkpointed cell loaded in them. After each
+cell the control plane sends the new checkpoint, off the critical path: only the
+blobs this host lacks are fetched, and only the groups of values that changed
+are loaded (``standby_state``; a checkpoint that cannot be applied exactly is
+loaded into a new kernel instead).
 
 A placement of the workspace on this host (a lost executor, a move for a cell's
-GPUs) promotes the standby (``RuntimeManager.ensure``): its files are brought up
-to date from the store and the staged state is loaded into the kernel that is
-already running. That saves the kernel start, the imports and the download; the
-values themselves are loaded at promotion, not kept loaded between cells.
+GPUs) promotes the standby (``agent/placing.promote``): its files are brought up
+to date from the store, and kernels that hold the checkpoint asked for serve at
+once, with nothing to load.
 
 No client can reach a standby's kernels: they are not in the host's kernel table,
 and no client request reaches them. They do run code of the workspace's own as
@@ -30,8 +31,9 @@ import secrets
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-from nbfleet.agent import filesync, preimports, statesync
+from nbfleet.agent import filesync, preimports, standby_state, statesync
 from nbfleet.agent.kernel_process import KernelProcess
 from nbfleet.agent.sandbox import Sandbox
 from nbfleet.agent.slots import Slot, new_kernel
@@ -50,6 +52,8 @@ class Staged:
     key: str
     cell: int | None
     directory: str
+    #: What loading it into the standby's kernel reported; None until it loaded.
+    report: dict[str, Any] | None = None
 
 
 @dataclass
@@ -64,12 +68,33 @@ class Standby:
     #: the same, or the workspace is placed afresh.
     slot_args: tuple[object, ...] = ()
     staged: dict[str, Staged] = field(default_factory=dict)
+    #: Kernels something was loaded into, with their restart count then: one that
+    #: restarted since (it died) is empty again.
+    loaded: dict[str, int] = field(default_factory=dict)
+    names: dict[str, str] = field(default_factory=dict)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
+    def is_fresh(self, kernel_id: str) -> bool:
+        """Nothing was loaded into the kernel's namespace (or it restarted since)."""
+        kernel = self.kernels.get(kernel_id)
+        return kernel is None or self.loaded.get(kernel_id) != kernel.restarts
+
+    def holds(self, kernel_id: str, key: str | None) -> bool:
+        """The kernel holds checkpoint ``key`` in memory, exactly as a restore of it
+        would: loaded, alive, not restarted since, and with no value recomputed
+        from its cells (those ran against the files the standby had then)."""
+        staged = self.staged.get(kernel_id)
+        kernel = self.kernels.get(kernel_id)
+        return (key is not None and staged is not None and staged.key == key
+                and staged.report is not None and not staged.report.get("recomputed")
+                and kernel is not None and kernel.execution_state != "dead"
+                and not self.is_fresh(kernel_id))
+
     def state(self) -> dict[str, dict[str, str | int | None]]:
-        """Every kernel kept, with what is staged for it (key None: nothing yet)."""
+        """Every kernel kept, with the checkpoint loaded in it (key None: none yet)."""
         return {kid: ({"key": self.staged[kid].key, "cell": self.staged[kid].cell}
-                      if kid in self.staged else {"key": None, "cell": None})
+                      if kid in self.staged and self.holds(kid, self.staged[kid].key)
+                      else {"key": None, "cell": None})
                 for kid in self.kernels}
 
 
@@ -128,34 +153,43 @@ class Standbys:
         wanted = dict(kernels)
         for kernel_id in [k for k in standby.kernels if k not in wanted]:
             await standby.kernels.pop(kernel_id).shutdown()
+            standby.loaded.pop(kernel_id, None)
             gone = standby.staged.pop(kernel_id, None)
             if gone is not None:
                 await asyncio.to_thread(shutil.rmtree, gone.directory, True)
         missing = [(k, name) for k, name in kernels if k not in standby.kernels]
-        if not missing:
-            return
-        needs = await asyncio.to_thread(preimports.snapshot_needs, self.blobs,
-                                        standby.workspace_id, snapshot, self.base_env)
         for kernel_id, name in missing:
-            kernel = new_kernel(standby.slot, kernel_id, standby.workspace_id, name,
-                                self.sandbox)
-            try:
-                await kernel.start()
-            except BaseException:
-                await kernel.shutdown()
-                raise
-            standby.kernels[kernel_id] = kernel
-            modules = needs.get(kernel_id, preimports.NOTHING).modules
-            if modules:
-                await statesync.preimport(kernel, modules)
+            standby.names[kernel_id] = name
+            await self._start_kernel(standby, kernel_id, snapshot.get(kernel_id))
             if snapshot.get(kernel_id):
                 try:
                     await self._stage(standby, kernel_id, snapshot[kernel_id], None)
-                except (CorruptSnapshot, OSError) as exc:
+                except (CorruptSnapshot, OSError, Conflict) as exc:
                     # Replaced since it was named (the next checkpoint is staged), or
                     # unusable: the standby is kept warm without it.
                     log.info("standby of %s: %s not staged: %s", standby.workspace_id,
                              kernel_id, exc)
+
+    async def _start_kernel(self, standby: Standby, kernel_id: str,
+                            key: str | None) -> KernelProcess:
+        """A fresh kernel, with the modules the checkpoint ``key`` needs imported."""
+        kernel = new_kernel(standby.slot, kernel_id, standby.workspace_id,
+                            standby.names[kernel_id], self.sandbox)
+        try:
+            await kernel.start()
+        except BaseException:
+            await kernel.shutdown()
+            raise
+        standby.kernels[kernel_id] = kernel
+        standby.loaded.pop(kernel_id, None)
+        if key:
+            needs = await asyncio.to_thread(preimports.snapshot_needs, self.blobs,
+                                            standby.workspace_id, {kernel_id: key},
+                                            self.base_env)
+            modules = needs.get(kernel_id, preimports.NOTHING).modules
+            if modules:
+                await statesync.preimport(kernel, modules)
+        return kernel
 
     async def stage(self, workspace_id: str, generation: int, kernel_id: str, key: str,
                     cell: int | None) -> Standby:
@@ -179,6 +213,8 @@ class Standbys:
         old = standby.staged.get(kernel_id)
         if old is not None and old.key == key:
             old.cell = cell if cell is not None else old.cell  # the same state, a later cell
+            if old.report is None:
+                await self._load(standby, kernel_id, old)
             return
         directory = os.path.join(standby.slot.root,
                                  f".standby-{kernel_id[:12]}-{secrets.token_hex(4)}")
@@ -189,9 +225,36 @@ class Standbys:
         except BaseException:
             shutil.rmtree(directory, ignore_errors=True)
             raise
-        standby.staged[kernel_id] = Staged(key, cell, directory)
+        staged = standby.staged[kernel_id] = Staged(key, cell, directory)
         if old is not None:
             await asyncio.to_thread(shutil.rmtree, old.directory, True)
+        await self._load(standby, kernel_id, staged)
+
+    async def _load(self, standby: Standby, kernel_id: str, staged: Staged) -> None:
+        """Load ``staged`` into the kernel: applied on top of what it holds, or into
+        a new kernel where that would not be exact. Conflict if it did not load
+        (the control plane's keeper then backs off before it sends it again)."""
+        kernel = standby.kernels[kernel_id]
+        try:
+            try:
+                first = standby.is_fresh(kernel_id)
+                standby.loaded[kernel_id] = kernel.restarts
+                staged.report = await standby_state.load(kernel, staged.directory, first)
+            except standby_state.NeedsFresh as why:
+                log.info("standby of %s: %s loaded into a new kernel: %s",
+                         standby.workspace_id, kernel_id, why)
+                # Out of the standby first: should the new one fail to start, none is
+                # kept (the next keep starts one) rather than this one, shut down.
+                del standby.kernels[kernel_id]
+                standby.loaded.pop(kernel_id, None)
+                await kernel.shutdown()
+                kernel = await self._start_kernel(standby, kernel_id, staged.key)
+                standby.loaded[kernel_id] = kernel.restarts
+                staged.report = await standby_state.load(kernel, staged.directory, True)
+        except Exception as exc:  # a kernel that failed, timed out or would not start
+            staged.report = None
+            raise Conflict(f"checkpoint {staged.key} not loaded on the standby: {exc}"
+                           ) from exc
 
     def take(self, workspace_id: str) -> Standby | None:
         """The standby, handed over for a promotion (it is no longer a standby: a

@@ -89,7 +89,7 @@ async def quiesce(kernel: KernelProcess, options: SuspendOptions) -> str | None:
     return "a running cell was interrupted to suspend"
 
 
-async def _run(kernel: KernelProcess, code: str, timeout_s: float) -> None:
+async def run_internal(kernel: KernelProcess, code: str, timeout_s: float) -> None:
     reply = await kernel.execute_internal(code, timeout_s)
     if reply.get("status") != "ok":
         raise KernelFailed(f"{reply.get('ename', 'error')}: {reply.get('evalue', '')}"[:500])
@@ -100,7 +100,7 @@ async def flush(kernel: KernelProcess) -> bool:
     if kernel.state_dir is None or kernel.execution_state == "dead":
         return False
     try:
-        await _run(kernel, FLUSH, FLUSH_TIMEOUT_S)
+        await run_internal(kernel, FLUSH, FLUSH_TIMEOUT_S)
     except (KernelFailed, TimeoutError) as exc:
         log.warning("kernel %s could not flush its state: %s", kernel.id, exc)
         return False
@@ -131,8 +131,7 @@ async def restore(store: BlobStore, workspace_id: str, kernel: KernelProcess,
     download, whose blobs are linked rather than fetched again.
     """
     started = time.perf_counter()
-    report: dict[str, Any] = {"path": path, "restored": [], "changed": [], "recomputed": [],
-                              "lost": [], "settings": [], "files_only": False, "error": None}
+    report = _report(path)
     if key is not None and kernel.state_dir is not None:
         importing = (asyncio.create_task(_preimport(kernel, prepared, preimport))
                      if prepared or preimport else None)
@@ -143,7 +142,7 @@ async def restore(store: BlobStore, workspace_id: str, kernel: KernelProcess,
             finally:
                 if importing is not None:
                     report.update(await importing)
-            await _run(kernel, restore_code(replay_budget_s()), RESTORE_TIMEOUT_S)
+            await run_internal(kernel, restore_code(replay_budget_s()), RESTORE_TIMEOUT_S)
             report.update(await asyncio.to_thread(_read_report, kernel.state_dir))
         except TimeoutError:  # an OSError too: before the clause that calls it corrupt
             report.update(await _stop_restore(kernel))
@@ -157,6 +156,22 @@ async def restore(store: BlobStore, workspace_id: str, kernel: KernelProcess,
     if message:
         kernel.announce(message)
     return report
+
+
+def report_loaded(kernel: KernelProcess, path: str, body: dict[str, Any], preloaded: bool,
+                  seconds: float) -> dict[str, Any]:
+    """The report of a state a standby loaded (``standby_state``), told to the
+    notebook as a restore's is. ``preloaded``: before it was promoted."""
+    report = {**_report(path), **body, "seconds": round(seconds, 4), "preloaded": preloaded}
+    message = describe(report)
+    if message:
+        kernel.announce(message)
+    return report
+
+
+def _report(path: str) -> dict[str, Any]:
+    return {"path": path, "restored": [], "changed": [], "recomputed": [], "lost": [],
+            "settings": [], "files_only": False, "error": None}
 
 
 async def preimport(kernel: KernelProcess, modules: tuple[str, ...]) -> list[str]:
@@ -225,19 +240,26 @@ def _install(store: BlobStore | None, workspace_id: str, key: str | None,
             size = _size(staged)
         elif store is not None and key is not None:
             size = download_state(store, workspace_id, key, staging, reuse)
-        parent, name = os.path.split(kernel.state_dir)
-        with beneath.directory(parent) as folder:
-            with contextlib.suppress(FileNotFoundError):
-                if stat.S_ISDIR(os.stat(name, dir_fd=folder, follow_symlinks=False).st_mode):
-                    shutil.rmtree(name, dir_fd=folder)
-                else:
-                    os.unlink(name, dir_fd=folder)
-            os.rename(staging, name, dst_dir_fd=folder)
+        put_in_place(kernel, staging)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     kernel.own(kernel.state_dir)
     return size
+
+
+def put_in_place(kernel: KernelProcess, staging: str) -> None:
+    """Rename ``staging`` (the agent's, beside the slot) over the kernel's state
+    directory, whatever the kernel left there (removed, never followed)."""
+    assert kernel.state_dir is not None
+    parent, name = os.path.split(kernel.state_dir)
+    with beneath.directory(parent) as folder:
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISDIR(os.stat(name, dir_fd=folder, follow_symlinks=False).st_mode):
+                shutil.rmtree(name, dir_fd=folder)
+            else:
+                os.unlink(name, dir_fd=folder)
+        os.rename(staging, name, dst_dir_fd=folder)
 
 
 def _size(directory: str) -> int:
@@ -246,6 +268,11 @@ def _size(directory: str) -> int:
 
 
 def _read_report(state_dir: str) -> dict[str, Any]:
+    """What the kernel wrote about its restore, in the protocol's shape."""
+    return clean_report(read_raw_report(state_dir))
+
+
+def read_raw_report(state_dir: str) -> dict[str, Any]:
     """What the kernel wrote about its restore (it owns the file: read it through a
     checked descriptor, bounded). ValueError if it is not a report at all."""
     with beneath.directory(state_dir) as folder, \
@@ -259,6 +286,6 @@ def _read_report(state_dir: str) -> dict[str, Any]:
         raise ValueError("the restore report is nested too deeply") from None
     if not isinstance(body, dict):
         raise ValueError("the restore report is not a JSON object")
-    return clean_report(body)
+    return body
 
 

@@ -38,6 +38,8 @@ from nbfleet.protocol.gpu import AgentBindings
 
 M = TypeVar("M", bound=BaseModel)
 _KERNELS = TypeAdapter(list[KernelModel])
+#: Seconds for a read the agent answers from memory, asked while a loop waits.
+QUICK_READ_TIMEOUT_S = 5.0
 
 
 class BadAnswer(Unavailable, ValueError):
@@ -135,8 +137,12 @@ class AgentClient:
             json=order.model_dump(mode="json")))
 
     async def bindings(self, base: str) -> AgentBindings:
-        """The cells this agent has running with GPUs bound (its own report)."""
-        return _answer(AgentBindings, await self._call("GET", f"{base}/agent/v1/bindings"))
+        """The cells this agent has running with GPUs bound (its own report). Asked
+        of every host when the scheduler rebuilds its model: a host that does not
+        answer (stalled, cut off) must not hold that rebuild, nor the loop that waits
+        for it, for the client's whole timeout (it did, for 60 s)."""
+        return _answer(AgentBindings, await self._call(
+            "GET", f"{base}/agent/v1/bindings", timeout=QUICK_READ_TIMEOUT_S))
 
     async def warm_pool(self, base: str, target: int | None = None) -> WarmPoolState:
         """The agent's warm pool; with ``target``, grown to hold at least that many."""

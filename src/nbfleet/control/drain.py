@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING
 from sqlalchemy import Select, func, select
 from sqlalchemy.orm import Session
 
-from nbfleet.control import hosts
+from nbfleet.control import hosts, leases
 from nbfleet.control.fleet.moves import start_move
 from nbfleet.control.workspaces import request_state
+from nbfleet.db.engine import Database
 from nbfleet.db.tables import Agent, Kernel, Workspace
 from nbfleet.model.errors import NotFound
 from nbfleet.model.workspace import DesiredState, WorkspaceState
@@ -30,30 +31,59 @@ from nbfleet.web.render import iso
 
 if TYPE_CHECKING:
     from nbfleet.control.fleet.scheduler import LiveScheduler
-    from nbfleet.control.platform import Platform
 
 
-def empty_host(platform: Platform, host_id: str, scheduler: LiveScheduler | None) -> int:
+@dataclass(frozen=True)
+class Homes:
+    """Where the policy's model sends a leaving host's workspaces. Read on the event
+    loop, where the scheduler lives (its dictionaries change there), and handed to
+    :func:`empty_host`, which runs in a worker thread."""
+
+    #: Workspace → the first of its kernel's replica hosts that is not the leaving one
+    #: (the policy moved the replica off it when the host left the model).
+    by_workspace: dict[str, str]
+    #: Any other host the model has (the lowest id), for a workspace it has no replica of.
+    any_other: str | None
+
+    @classmethod
+    def of(cls, scheduler: LiveScheduler | None, leaving: str) -> Homes:
+        if scheduler is None:
+            return cls({}, None)
+        homes = {}
+        for workspace_id, kernel in scheduler.policy.kernels.items():
+            home = next((h for h in kernel.hosts if h != leaving), None)
+            if home is not None:
+                homes[workspace_id] = home
+        return cls(homes, min((h for h in scheduler.policy.hosts if h != leaving),
+                              default=None))
+
+
+def empty_host(db: Database, host_id: str, homes: Homes, token: int, timeout_s: float) -> int:
     """Ask every workspace still on the host to leave; how many are still there.
 
     Idempotent: a workspace already on its way (suspending, moving, being deleted)
     is left alone, so calling this on every pass until it answers 0 is how a drain
-    proceeds. A pass with nothing to send away only reads.
+    proceeds. A pass with nothing to send away only reads. ``token``: the fencing
+    token of the reconciler's lease, checked where the moves are written (a replica
+    that lost it since sends nothing away); ``timeout_s``: the agents' (which hosts
+    are alive to take a workspace the policy has no home for).
     """
-    with platform.db.transaction(write=False) as session:
-        total, leaving = _on_host(session, host_id, platform.db.now(session))
+    with db.transaction(write=False) as session:
+        total, leaving = _on_host(session, host_id, db.now(session))
     if not leaving:
         return total
-    with platform.db.transaction() as session:
-        now = platform.db.now(session)
+    with db.transaction() as session:
+        if not leases.still_held(session, leases.WORKSPACES, token):
+            return total
+        now = db.now(session)
         # The agent's row before its workspaces', the order hosts.register takes.
         agent = session.get(Agent, host_id, with_for_update=True)
         rows = session.execute(_leaving(host_id, now).with_for_update()).scalars()
         for ws in rows:
-            target = new_home(session, scheduler, ws.id, host_id, now,
-                              platform.config.agent_timeout_s)
+            target = new_home(session, homes, ws.id, host_id, now,
+                              timeout_s)
             if target is not None:
-                start_move(session, ws, target, platform.db)
+                start_move(session, ws, target, db)
             else:
                 request_state(ws, DesiredState.SUSPENDED, now)
             if agent is not None:
@@ -90,46 +120,20 @@ def _on_host(session: Session, host_id: str, now: datetime) -> tuple[int, int]:
     return int(total), int(leaving)
 
 
-def new_home(session: Session, scheduler: LiveScheduler | None, workspace_id: str,
+def new_home(session: Session, homes: Homes, workspace_id: str,
              leaving: str, now: datetime, timeout_s: float) -> str | None:
     """Where the policy now places the workspace's kernel (its evacuation moved the
     replica), else any other host the model has, else the least loaded host that
     takes placements (a CPU-only fleet); None if there is none."""
-    if scheduler is not None:
-        kernel = scheduler.policy.kernels.get(workspace_id)
-        if kernel is not None:
-            for host_id in kernel.hosts:
-                if host_id != leaving:
-                    return host_id
-        others = sorted(h for h in scheduler.policy.hosts if h != leaving)
-        if others:
-            return others[0]
+    home = homes.by_workspace.get(workspace_id) or homes.any_other
+    if home is not None:
+        return home
     loads = [load for load in hosts.host_loads(session, now, timeout_s)
              if load.host_id != leaving]
     return least_loaded(loads)
 
 
-@dataclass(frozen=True)
-class HostDrain:
-    """A host's drain as the admin API reports it."""
-
-    host_id: str
-    draining: bool
-    draining_since: datetime | None
-    workspaces: int
-    kernels: int
-    moved: int
-    suspended: int
-
-    def state(self) -> HostDrainState:
-        since = self.draining_since
-        return HostDrainState(id=self.host_id, draining=self.draining,
-                              draining_since=iso(since) if since is not None else None,
-                              workspaces=self.workspaces, kernels=self.kernels,
-                              moved=self.moved, suspended=self.suspended)
-
-
-def start(session: Session, host_id: str, now: datetime) -> HostDrain:
+def start(session: Session, host_id: str, now: datetime) -> HostDrainState:
     """Mark the host draining (again: a second drain keeps the first's start)."""
     agent = _agent(session, host_id)
     if agent.draining_since is None:
@@ -138,13 +142,14 @@ def start(session: Session, host_id: str, now: datetime) -> HostDrain:
     return report(session, host_id)
 
 
-def stop(session: Session, host_id: str) -> HostDrain:
+def stop(session: Session, host_id: str) -> HostDrainState:
     """The host takes new placements again; what already left stays where it went."""
     _agent(session, host_id).draining_since = None
     return report(session, host_id)
 
 
-def report(session: Session, host_id: str) -> HostDrain:
+def report(session: Session, host_id: str) -> HostDrainState:
+    """A host's drain as the admin API reports it."""
     agent = session.get(Agent, host_id)
     if agent is None:
         raise NotFound(f"no host {host_id!r}")
@@ -157,8 +162,11 @@ def report(session: Session, host_id: str) -> HostDrain:
         .join(Workspace, Kernel.workspace_id == Workspace.id)
         .where(Workspace.host_id == host_id,
                Workspace.state.in_(_WITH_RUNTIME))).scalar_one()
-    return HostDrain(host_id, agent.draining_since is not None, agent.draining_since,
-                     int(workspaces), int(kernels), agent.drain_moved, agent.drain_suspended)
+    since = agent.draining_since
+    return HostDrainState(id=host_id, draining=since is not None,
+                          draining_since=iso(since) if since is not None else None,
+                          workspaces=int(workspaces), kernels=int(kernels),
+                          moved=agent.drain_moved, suspended=agent.drain_suspended)
 
 
 def _agent(session: Session, host_id: str) -> Agent:

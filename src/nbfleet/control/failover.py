@@ -8,6 +8,10 @@ database is the serialisation point):
   cell it includes. A checkpoint is kept only from the host the workspace runs on,
   in the boot and generation it was placed with: a host presumed dead, or an older
   placement, can never overwrite the state a newer one saved (the fencing token).
+- ``restarted[id]``: the kernel's process was restarted (by its user, or after a
+  crash) and no state was saved since. Its ``kernels`` entry is removed with the
+  same fencing, so a placement restores nothing rather than variables the restart
+  cleared; the next checkpoint or suspend replaces the mark.
 - ``host_lost``: set when the control plane sends the runtime back to be placed
   again (:func:`nbfleet.control.hosts.runtimes_lost`).
 - ``cells[id]``: what the kernel's gateway saw when the host went away mid-cell:
@@ -36,6 +40,9 @@ MAX_INTERRUPTED = 100
 
 def record_checkpoint(db: Database, workspace_id: str,
                       body: CellCheckpoint) -> CheckpointRecorded:
+    """Keep a kernel's latest state (or, with no key, that it was restarted and holds
+    nothing) if the agent still runs the workspace; ``replaced``: the manifest no
+    longer named, for the agent to delete if it uploaded it."""
     with db.transaction() as session:
         ws = session.get(Workspace, workspace_id, with_for_update=True)
         if ws is None:
@@ -49,12 +56,24 @@ def record_checkpoint(db: Database, workspace_id: str,
             return CheckpointRecorded(kept=False, reason=refused)
         snapshot = dict(ws.snapshot or {})
         kernels = dict(snapshot.get("kernels") or {})
-        previous = kernels.get(body.kernel_id) or {}
-        kernels[body.kernel_id] = {
-            "key": body.key, "bytes": body.bytes, "written": body.written,
-            "cell": body.cell, "at": iso(db.now(session)), "host": body.agent_id}
-        snapshot.update(kernels=kernels, at=kernels[body.kernel_id]["at"],
+        restarted = dict(snapshot.get("restarted") or {})
+        previous = kernels.pop(body.kernel_id, None) or {}
+        at = iso(db.now(session))
+        if body.key is None:
+            # Nothing to restore: a placement starts the kernel empty, as the restart
+            # left it, and says why (``report``).
+            restarted[body.kernel_id] = {"at": at, "host": body.agent_id}
+        else:
+            restarted.pop(body.kernel_id, None)
+            kernels[body.kernel_id] = {
+                "key": body.key, "bytes": body.bytes, "written": body.written,
+                "cell": body.cell, "at": at, "host": body.agent_id}
+        snapshot.update(kernels=kernels, at=at,
                         bytes=sum(int(k.get("bytes", 0)) for k in kernels.values()))
+        if restarted:
+            snapshot["restarted"] = restarted
+        else:
+            snapshot.pop("restarted", None)
         snapshot.setdefault("packages", None)
         ws.snapshot = snapshot
         replaced = previous.get("key")
@@ -118,6 +137,7 @@ def report(snapshot: dict[str, Any] | None, kernel_ids: list[str]) -> dict[str, 
     if not isinstance(lost, dict):
         return None
     saved = (snapshot or {}).get("kernels") or {}
+    restarted = (snapshot or {}).get("restarted") or {}
     cells = (snapshot or {}).get("cells") or {}
     kernels: dict[str, Any] = {}
     for kernel_id in kernel_ids:
@@ -129,7 +149,8 @@ def report(snapshot: dict[str, Any] | None, kernel_ids: list[str]) -> dict[str, 
         last = seen.get("last_completed")
         kernels[kernel_id] = {
             "state": ("after_cell" if as_of is not None
-                      else "last_suspend" if entry else "none"),
+                      else "last_suspend" if entry
+                      else "restarted" if kernel_id in restarted else "none"),
             "as_of_cell": as_of,
             "last_completed_cell": last,
             "cells_not_saved": (max(0, last - as_of) if isinstance(last, int)
@@ -163,6 +184,9 @@ def _notice(lost: dict[str, Any], facts: dict[str, Any], new_host: str) -> str:
     elif facts["state"] == "last_suspend":
         lines.append("Its variables come from its last suspend: no cell's state had been "
                      "saved since.")
+    elif facts["state"] == "restarted":
+        lines.append("It had been restarted before the host was lost, and no cell's state "
+                     "had been saved since: it had no variables to bring back.")
     else:
         lines.append("None of its variables had been saved: they are lost.")
     last, missing = facts["last_completed_cell"], facts["cells_not_saved"]

@@ -3,10 +3,14 @@
 A host is alive while its last heartbeat, on the DB clock, is recent. When a host
 comes back with a new boot id, or stops heartbeating, the runtimes it had are gone,
 so its running workspaces go back to ``resuming`` for the reconciler to re-place.
+A heartbeat's reply names the runtimes the host still reports that are no longer
+placed on it (:func:`stale_runtimes`): a host presumed dead that wakes up is told.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -58,12 +62,58 @@ def _end_placement_backoff(session: Session) -> int:
 
 
 def heartbeat(session: Session, now: datetime, agent_id: str, boot_id: str) -> None:
+    """Record the host alive. Its row is locked first: a presumption of its death
+    (:func:`dead_hosts_with_runtimes`) is decided before this heartbeat or after
+    it, never beside it, so :func:`stale_runtimes` in the same transaction sees it."""
     agent = session.get(Agent, agent_id, with_for_update=True)
     if agent is None:
         raise NotFound(f"unknown agent {agent_id}")
     if agent.boot_id != boot_id:
         raise Conflict("boot id changed: register again")
     agent.last_heartbeat_at = now
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the control plane runs a workspace, as far as fencing cares."""
+
+    host_id: str | None
+    host_boot_id: str | None
+    #: The generation of the last placement that completed (None: none yet).
+    placed_generation: int | None
+
+
+def still_placed(placement: Placement | None, agent_id: str, boot_id: str,
+                 generation: int) -> bool:
+    """Whether an agent's runtime of ``generation`` is still the workspace's. A
+    workspace gone, on another host or boot (placed elsewhere after this host was
+    presumed dead, or suspended), or placed since with a newer generation, is not.
+    A generation newer than the last completed placement's is one being placed."""
+    if placement is None:
+        return False
+    if placement.host_id != agent_id or placement.host_boot_id != boot_id:
+        return False
+    return placement.placed_generation is None or generation >= placement.placed_generation
+
+
+#: Workspace ids per query, well under any database's limit on bound parameters.
+_CHUNK = 500
+
+
+def stale_runtimes(session: Session, agent_id: str, boot_id: str,
+                   held: Sequence[tuple[str, int]]) -> list[str]:
+    """Of the runtimes an agent reports, (workspace id, generation), the workspaces
+    no longer placed on it: it must drop them without writing their files back."""
+    ids = list(dict.fromkeys(workspace_id for workspace_id, _ in held))
+    placements: dict[str, Placement] = {}
+    for start in range(0, len(ids), _CHUNK):
+        rows = session.execute(
+            select(Workspace.id, Workspace.host_id, Workspace.host_boot_id,
+                   Workspace.placed_generation)
+            .where(Workspace.id.in_(ids[start:start + _CHUNK])))
+        placements.update((row[0], Placement(*row[1:])) for row in rows)
+    return [workspace_id for workspace_id, generation in held
+            if not still_placed(placements.get(workspace_id), agent_id, boot_id, generation)]
 
 
 def kernel_died(session: Session, agent_id: str, workspace_id: str, reason: str) -> None:
@@ -135,11 +185,15 @@ def host_loads(session: Session, now: datetime, timeout_s: float) -> list[HostLo
 
 
 def dead_hosts_with_runtimes(session: Session, now: datetime, timeout_s: float) -> list[str]:
+    """Hosts silent for ``timeout_s`` that still have running workspaces. Their rows
+    are locked, as :func:`heartbeat` locks its own: a heartbeat committed meanwhile
+    takes its host off the list (PostgreSQL checks the row again once it may lock
+    it), and one waiting behind the lock sees the workspaces marked lost."""
+    running = select(Workspace.host_id).where(Workspace.state == WorkspaceState.RUNNING)
     query = (
         select(Agent.id)
-        .join(Workspace, Workspace.host_id == Agent.id)
-        .where(Agent.last_heartbeat_at < alive_since(now, timeout_s),
-               Workspace.state == WorkspaceState.RUNNING)
-        .distinct()
+        .where(Agent.last_heartbeat_at < alive_since(now, timeout_s), Agent.id.in_(running))
+        .order_by(Agent.id)
+        .with_for_update()
     )
     return list(session.execute(query).scalars())

@@ -48,6 +48,11 @@ GREETINGS = frozenset({"kernel_info_request", "comm_info_request"})
 RECONNECT = 1012
 #: Greetings held at most before the workspace is woken anyway (memory stays bounded).
 MAX_HELD = 64
+#: How often the relay pings the agent's side of a kernel's socket. A host that is
+#: cut off (a partition, a frozen VM) resets no connection: without an answer to a
+#: ping within the agent timeout, the relay takes the host as gone (the notebook is
+#: told at once, not after TCP gives up) and follows the kernel where it is placed.
+UPSTREAM_PING_S = 5.0
 
 
 async def serve(websocket: WebSocket, workspace_id: str, kernel_id: str,
@@ -94,6 +99,10 @@ async def serve(websocket: WebSocket, workspace_id: str, kernel_id: str,
             max_size=None,
             compression=None,
             open_timeout=10,
+            ping_interval=UPSTREAM_PING_S,
+            # As long as the control plane waits before it presumes a host dead: a
+            # host slower than that to answer is taken as lost by both.
+            ping_timeout=platform.config.agent_timeout_s,
         )
 
     here = Location(where.host_id, where.host_url)
@@ -114,8 +123,11 @@ async def serve(websocket: WebSocket, workspace_id: str, kernel_id: str,
             with contextlib.suppress(Exception):
                 await send(frame)
         if count:
-            await asyncio.to_thread(failover.record_cells, platform.db, workspace_id,
-                                    kernel_id, host_id, last, count)
+            try:
+                await asyncio.to_thread(failover.record_cells, platform.db, workspace_id,
+                                        kernel_id, host_id, last, count)
+            except Exception:  # the client was told; only the restore's notice lacks it
+                log.exception("could not record the cells %s left unanswered", host_id)
 
     if where.gpus == 0:
         if await _pump_both_ways(websocket, receive, upstream, cells):

@@ -15,6 +15,10 @@ from sqlalchemy.orm import Session
 from nbfleet.db.engine import Database
 from nbfleet.db.tables import Lease
 
+#: The lease of the workspace reconciler, which also runs the fleet's scheduler and
+#: its drains: everything that places or moves runtimes writes under it.
+WORKSPACES = "workspace-reconciler"
+
 
 def acquire(db: Database, name: str, holder: str, ttl_s: float) -> int | None:
     """Take or renew the lease; return its fencing token, or None if another holds it."""

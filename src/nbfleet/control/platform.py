@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
+import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from nbfleet.control.agent_client import AgentClient
 from nbfleet.control.fleet.service import FleetService
@@ -17,6 +21,8 @@ from nbfleet.model.jobs import RetryRules, parse_tiers
 from nbfleet.model.pricing import parse_prices
 from nbfleet.storage.blobs import BlobStore
 from nbfleet.storage.files import WorkspaceFiles
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -130,6 +136,22 @@ class Platform:
         DB and the event loop, 32 of them in a burst of resumes). Elsewhere, the
         changes are another replica's, seen only by reading: often."""
         return 1.0 if self.fleet.token is not None else 0.25
+
+    async def until(self, workspace_id: str, read: Callable[[], tuple[bool, T]],
+                    timeout: float) -> tuple[bool, T]:
+        """Run ``read`` (in a thread: it reads the DB) at each change of the
+        workspace until it answers done or ``timeout`` passes; its last answer. The
+        one wait behind ``?wait=`` and a resting kernel's wake-up."""
+        deadline = time.monotonic() + timeout
+        while True:
+            changed = self.changed(workspace_id)  # before the read: no change slips by
+            done, value = await asyncio.to_thread(read)
+            remaining = deadline - time.monotonic()
+            if done or remaining <= 0:
+                return done, value
+            with contextlib.suppress(TimeoutError):  # other replicas do not signal: poll
+                async with asyncio.timeout(min(remaining, self.poll_s())):
+                    await changed.wait()
 
     def notify_changed(self, workspace_id: str | None = None) -> None:
         """Wake the waiters of :meth:`changed`: all of them, and those of

@@ -23,12 +23,14 @@ from prometheus_client import Counter
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from nbfleet.control import failover, hosts, leases, standbys
+from nbfleet.control import failover, hosts, leases
+from nbfleet.control.collection import after_suspend
 from nbfleet.control.fleet.service import GpuPlacement
+from nbfleet.control.host_choice import cpu_host, gpu_host
 from nbfleet.control.platform import Platform
 from nbfleet.control.step_results import Work, record
 from nbfleet.control.workspaces import resources_of, transition
-from nbfleet.db.tables import Agent, Kernel, Project, Workspace
+from nbfleet.db.tables import Kernel, Project, Workspace
 from nbfleet.model.cluster import ResourceSpec
 from nbfleet.model.errors import DomainError, NotFound, SuspendFailed
 from nbfleet.model.workspace import (
@@ -38,12 +40,11 @@ from nbfleet.model.workspace import (
     plan,
     retry_delay_s,
 )
-from nbfleet.policy.placement import least_loaded
 from nbfleet.protocol.agent import RuntimePlaced, RuntimeSuspended
 
 log = logging.getLogger(__name__)
 
-LEASE = "workspace-reconciler"
+LEASE = leases.WORKSPACES
 BATCH = 100
 #: Workspaces reconciled at once. Most of a step is waiting on an agent (a resume
 #: restoring state), so this bounds calls in flight, not CPU: a burst of resumes
@@ -53,9 +54,6 @@ MAX_STEPS = 8
 #: The lease and the fleet's periodic work are seen to at most this often (a tick
 #: woken sooner only dispatches); well within the lease's time to live.
 DUTIES_EVERY_S = 0.25
-#: How often a GPU workspace waiting for a host looks again (a placement change
-#: wakes the reconciler sooner).
-GPU_WAIT_RETRY_S = 2.0
 
 STEPS = Counter("nbfleet_reconcile_steps_total", "Reconciler steps", ["action", "outcome"])
 
@@ -169,8 +167,11 @@ class Reconciler:
             self._again.discard(workspace_id)
             self.platform.wake()
 
+    def _holds_lease(self, session: Session) -> bool:
+        return self.token is not None and leases.still_held(session, LEASE, self.token)
+
     def _check_lease(self, session: Session) -> None:
-        if self.token is None or not leases.still_held(session, LEASE, self.token):
+        if not self._holds_lease(session):
             raise LeaseLost()
 
     def _mark_dead_hosts(self) -> None:
@@ -218,8 +219,16 @@ class Reconciler:
             work = await asyncio.to_thread(self._begin, workspace_id)
             if isinstance(work, NeedsGpuPlacement):
                 async with self._fleet_model:
-                    placement = self.platform.fleet.place(work.workspace_id, work.spec,
-                                                          work.tenant, work.weight)
+                    fleet = self.platform.fleet
+                    placement = fleet.place(work.workspace_id, work.spec, work.tenant,
+                                            work.weight)
+                    if placement.refused is not None and self.token is not None:
+                        # Hosts reach the model at the duties' pace: one that joined
+                        # since may be the one that fits. Fed it, ask again before the
+                        # workspace fails for good.
+                        await fleet.sync_hosts()
+                        placement = fleet.place(work.workspace_id, work.spec, work.tenant,
+                                                work.weight)
                     work = await asyncio.to_thread(self._begin, workspace_id, placement)
             if not isinstance(work, Work):
                 return
@@ -233,6 +242,10 @@ class Reconciler:
                 self.platform.notify_changed(workspace_id)
                 return
             STEPS.labels(work.step.action, "ok").inc()
+            if isinstance(result, RuntimeSuspended) and not work.moving:
+                # A move is not kept waiting for it: the next suspend collects.
+                await after_suspend(self.db, self.platform.blobs, work, result,
+                                    self._holds_lease)
             more = await asyncio.to_thread(self._finish, work, result)
             if work.gpus and work.step.action is not Action.PLACE and not work.moving:
                 self.platform.fleet.close(work.workspace_id)  # its runtime is gone
@@ -269,23 +282,13 @@ class Reconciler:
                     project = session.get(Project, ws.project_id)
                     return NeedsGpuPlacement(ws.id, spec, ws.project_id,
                                              project.job_weight if project else 1.0)
-                host = self._gpu_host(session, ws, gpu, now)
+                host = gpu_host(session, ws, gpu, now, config.agent_timeout_s)
                 if host is None:
                     return None
             if step.action is Action.PLACE and host is None:
-                loads = hosts.host_loads(session, now, config.agent_timeout_s)
-                # A move names its target (a drain chose it), if it still takes work.
-                target, ws.move_to = ws.move_to, None
-                chosen = (target if any(load.host_id == target for load in loads)
-                          else least_loaded(loads))
-                if chosen is None:
-                    ws.last_error = "no host is available"
-                    ws.attempts += 1
-                    ws.next_attempt_at = now + timedelta(seconds=retry_delay_s(ws.attempts))
+                host = cpu_host(session, ws, now, config.agent_timeout_s)
+                if host is None:
                     return None
-                host = hosts.alive_agent(session, chosen, now, config.agent_timeout_s)
-                assert host is not None
-                ws.host_id, ws.host_boot_id = host.id, host.boot_id  # recorded before acting
             kernels = tuple(
                 (k.id, k.name)
                 for k in session.execute(
@@ -303,43 +306,6 @@ class Reconciler:
             return Work(ws.id, step, ws.generation, WorkspaceState(ws.state),
                         host.url if host else None, kernels, ws.snapshot, limits, network,
                         spec.gpus, ws.move_to is not None, notices)
-
-    def _gpu_host(self, session: Session, ws: Workspace, gpu: GpuPlacement,
-                  now: datetime) -> Agent | None:
-        """Record the scheduler's placement and return the host to run on, or None
-        (the workspace waits, or fails when it can never be placed)."""
-        if gpu.refused is not None:
-            ws.last_error = f"cannot place: {gpu.refused}"
-            transition(session, ws, WorkspaceState.FAILED, now, ws.last_error)
-            ws.pending = False
-            return None
-        timeout = self.platform.config.agent_timeout_s
-        draining = hosts.draining_hosts(session)
-        candidates = [h for h in gpu.hosts if h not in draining]
-        if ws.move_to is None and len(candidates) > 1 and not gpu.reserved:
-            # A replica host holding a standby serves at once (``standbys``).
-            warm = standbys.hosts_with_standbys(session, ws.id, ws.snapshot, now, timeout)
-            candidates.sort(key=lambda h: warm.index(h) if h in warm else len(warm))
-        if ws.move_to is not None and gpu.waiting is None:
-            # Moved for a cell whose GPUs the scheduler bound there.
-            if ws.move_to not in draining:
-                candidates = [ws.move_to] + [h for h in candidates if h != ws.move_to]
-            ws.move_to = None
-        if gpu.waiting is None and not candidates:
-            # Its sessions own no host between cells (batch, lcp): the kernel lives
-            # where there is room, and GPUs come per cell.
-            chosen = least_loaded(hosts.host_loads(session, now, timeout))
-            candidates = [chosen] if chosen is not None else []
-        host = hosts.alive_agent(session, candidates[0], now, timeout) if candidates else None
-        if host is None:
-            # Waiting for capacity is not a failure: no backoff, and the scheduler
-            # wakes the reconciler when a placement changes.
-            ws.last_error = gpu.waiting or "waiting for its GPU host to come up"
-            ws.next_attempt_at = now + timedelta(seconds=GPU_WAIT_RETRY_S)
-            return None
-        ws.gpu_placement = {"hosts": list(gpu.hosts), "reserved": list(gpu.reserved)}
-        ws.host_id, ws.host_boot_id = host.id, host.boot_id
-        return host
 
     def _finish(self, work: Work, result: RuntimePlaced | RuntimeSuspended | None) -> bool:
         """Settle the step; True if the workspace still has work to do."""

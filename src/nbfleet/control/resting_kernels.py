@@ -10,8 +10,6 @@ client that connects to such a kernel wakes the workspace and waits for it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import time
 from datetime import UTC, datetime
 from typing import Any
 
@@ -90,13 +88,14 @@ def _ask_running(platform: Platform, principal: Principal, workspace_id: str) ->
 
 
 def _is_running(platform: Platform, principal: Principal,
-                workspace_id: str) -> tuple[bool, str, str | None]:
+                workspace_id: str) -> tuple[bool, tuple[str, str | None]]:
+    """(whether it runs, (its state, its last placement error))."""
     with platform.db.transaction(write=False) as session:
         ws = workspaces.get_visible(session, principal, workspace_id)
         if DesiredState(ws.desired_state) is not DesiredState.RUNNING:
             raise Conflict(f"workspace was asked to be {ws.desired_state} while it resumed",
                            current_state=ws.state)
-        return ws.state == WorkspaceState.RUNNING, ws.state, ws.last_error
+        return ws.state == WorkspaceState.RUNNING, (ws.state, ws.last_error)
 
 
 async def wake(platform: Platform, principal: Principal, workspace_id: str,
@@ -108,17 +107,8 @@ async def wake(platform: Platform, principal: Principal, workspace_id: str,
     if await asyncio.to_thread(_ask_running, platform, principal, workspace_id):
         return
     platform.wake()
-    deadline = time.monotonic() + timeout
-    while True:
-        changed = platform.changed(workspace_id)  # before the read: no change slips by
-        running, state, error = await asyncio.to_thread(
-            _is_running, platform, principal, workspace_id)
-        if running:
-            return
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise Conflict(f"workspace did not resume in {timeout:.0f} s: it is {state}"
-                           + (f" ({error})" if error else ""), current_state=state)
-        with contextlib.suppress(TimeoutError):  # other replicas do not signal: poll too
-            async with asyncio.timeout(min(remaining, platform.poll_s())):
-                await changed.wait()
+    running, (state, error) = await platform.until(
+        workspace_id, lambda: _is_running(platform, principal, workspace_id), timeout)
+    if not running:
+        raise Conflict(f"workspace did not resume in {timeout:.0f} s: it is {state}"
+                       + (f" ({error})" if error else ""), current_state=state)

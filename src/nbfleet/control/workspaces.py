@@ -189,8 +189,9 @@ class KernelLoss(BaseModel):
     """What one kernel came back with after its host was lost."""
 
     #: ``after_cell``: the state a cell's checkpoint saved; ``last_suspend``: the last
-    #: suspend's; ``none``: nothing had been saved.
-    state: Literal["after_cell", "last_suspend", "none"]
+    #: suspend's; ``restarted``: the kernel had been restarted and nothing saved since,
+    #: so it had no variables to bring back; ``none``: nothing had been saved.
+    state: Literal["after_cell", "last_suspend", "restarted", "none"]
     as_of_cell: int | None = None
     #: The last cell the gateway saw complete (None when no client watched it).
     last_completed_cell: int | None = None

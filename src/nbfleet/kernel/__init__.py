@@ -23,8 +23,8 @@ from nbfleet.kernel.blobs import INLINE_LIMIT
 from nbfleet.kernel.capture import Capture
 from nbfleet.kernel.gpu import current_binding
 
-__all__ = ["INLINE_LIMIT", "checkpoint", "current_binding", "flush", "load_ipython_extension",
-           "restore", "unload_ipython_extension"]
+__all__ = ["INLINE_LIMIT", "apply", "checkpoint", "current_binding", "flush",
+           "load_ipython_extension", "restore", "unload_ipython_extension"]
 
 log = logging.getLogger("nbfleet.kernel")
 
@@ -112,6 +112,22 @@ def checkpoint(seq: int) -> bool:
         return False
     capture.request_checkpoint(seq)
     return True
+
+
+def apply() -> dict[str, Any]:
+    """Bring a standby's namespace forward to ``<STATE_DIR>/manifest.json``, a later
+    checkpoint of the one it holds (:mod:`nbfleet.kernel.delta`); ``{"fresh": why}``
+    where that would not be exact."""
+    capture = _active()
+    state_dir = _state_dir()
+    from nbfleet.kernel import delta  # standbys only: kernels start lighter
+
+    if state_dir is None:
+        return {"fresh": "no state directory in this kernel"}
+    if capture is None:
+        return delta.refuse(state_dir, "no state capture in this kernel")
+
+    return delta.apply(capture.shell, state_dir, capture)
 
 
 def restore(replay_budget_s: float | None = None) -> dict[str, Any]:

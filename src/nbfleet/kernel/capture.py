@@ -66,6 +66,9 @@ class Capture:
         self.dropped_outputs: dict[str, dict[str, str]] = {}
         self.calls = settings.CallLog()
         self.baseline: settings.Baseline | None = None
+        #: What the last restore or standby apply loaded (``delta.Applied``); None
+        #: once a cell has run, as a later apply must start from a loaded snapshot.
+        self.applied: Any = None
         self.last_post_run_seconds = 0.0
         self._cache = ShaCache()
         self._lock = threading.Lock()
@@ -141,6 +144,7 @@ class Capture:
     # -- IPython hooks (main thread) -----------------------------------------
 
     def pre_run_cell(self, info: Any = None) -> None:
+        self.applied = None
         with self._lock:
             self._epoch += 1
         self._before.append(self.user_ids())
@@ -357,6 +361,13 @@ class Capture:
                 self._commit(result or {}, mark, cycle.dropped_outputs)
             break
         return dict(self.records)
+
+    def forget_names(self, names: set[str]) -> None:
+        """Names a standby apply removed (deleted on the executor since)."""
+        with self._lock:
+            for name in names:
+                self.records.pop(name, None)
+                self._dirty.pop(name, None)
 
     def adopt(self, records: dict[str, Record], imports: list[str],
               footprints: dict[str, frozenset[str]], recipes: dict[str, list[str]],

@@ -13,10 +13,12 @@ The kernel's settings come back too (``settings``; failures in ``lost``).
 from __future__ import annotations
 
 import builtins
+import json
 import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -112,22 +114,52 @@ def restore(shell: Any, state_dir: Path, capture: Capture | None,
     return report
 
 
-class _Loaded:
-    """The groups of a snapshot, decoded: values staged, each with its pickle."""
+@dataclass
+class Applied:
+    """What a restore loaded into the namespace, for the next standby apply
+    (``delta``) to start from."""
 
-    def __init__(self, doc: dict[str, Any], parts: _Parts) -> None:
+    doc: dict[str, Any]
+    settings: dict[str, Any]
+    recomputed: list[str] = field(default_factory=list)
+    replay_lost: list[dict[str, str]] = field(default_factory=list)
+    #: Every value came back equal to what was saved: a later apply may keep them.
+    clean: bool = True
+
+
+def group_key(names: tuple[str, ...], entry: dict[str, Any]) -> str:
+    """Equal for a group whose names and pickles are the same (blobs are named by
+    content): its objects need not be loaded again."""
+    return json.dumps([list(names), entry.get("pickler"), entry.get("stream"),
+                       entry.get("buffers")], sort_keys=True)
+
+
+def groups_of(doc: dict[str, Any]) -> list[tuple[tuple[str, ...], dict[str, Any]]]:
+    """The snapshot's groups that hold values, then its values saved alone."""
+    values: dict[str, dict[str, Any]] = doc.get("values", {})
+    found = []
+    for index, group in enumerate(doc.get("groups", [])):
+        names = tuple(group["names"])
+        if any(values.get(n, {}).get("group") == index for n in names):
+            found.append((names, group))
+    found += [((name,), entry) for name, entry in sorted(values.items()) if "group" not in entry]
+    return found
+
+
+class _Loaded:
+    """The groups of a snapshot, decoded: values staged, each with its pickle.
+    ``keep``: keys (``group_key``) of groups already in the namespace, not loaded."""
+
+    def __init__(self, doc: dict[str, Any], parts: _Parts,
+                 keep: frozenset[str] = frozenset()) -> None:
         self.values: dict[str, dict[str, Any]] = doc.get("values", {})
         self.staged: dict[str, Any] = {}
         self.lost: list[dict[str, str]] = []
         self.groups: list[tuple[tuple[str, ...], dict[str, Any]]] = []
         self.bytes = 0
-        for index, group in enumerate(doc.get("groups", [])):
-            names = tuple(group["names"])
-            if any(self.values.get(n, {}).get("group") == index for n in names):
-                self._load(names, group, parts)
-        for name, entry in sorted(self.values.items()):
-            if "group" not in entry:
-                self._load((name,), entry, parts)
+        for names, entry in groups_of(doc):
+            if group_key(names, entry) not in keep:
+                self._load(names, entry, parts)
 
     def _load(self, names: tuple[str, ...], entry: dict[str, Any], parts: _Parts) -> None:
         try:
@@ -190,6 +222,8 @@ def _restore(shell: Any, doc: dict[str, Any], store: BlobStore,
     if capture is not None:
         _adopt(capture, doc, loaded, outputs, recomputed, outcome.programs, imports, lost,
                changed, setting_doc)
+        capture.applied = Applied(doc, setting_doc, sorted(recomputed), list(outcome.lost),
+                                  clean=not changed and not loaded.lost and not config.lost)
     restored = sorted(n for n in staged if n not in changed)
     return {
         "restored": restored,

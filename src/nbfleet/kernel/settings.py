@@ -146,6 +146,21 @@ def finish(shell: Any, doc: dict[str, Any], outputs: dict[Any, object] | None) -
     afterwards)."""
     done = ipysettings.finish(shell, doc.get("ipython", {}))
     _restore_history(shell, doc, outputs, done)
+    _restore_warnings(shell, doc, done)
+    _restore_random(doc, done)
+    return done
+
+
+def advance(shell: Any, doc: dict[str, Any], outputs: dict[Any, object] | None) -> Outcome:
+    """What changes with every cell, for a standby brought forward (``delta``):
+    history, counter and RNGs. The rest it has already, or ``delta`` says fresh."""
+    done = Outcome()
+    _restore_history(shell, doc, outputs, done)
+    _restore_random(doc, done)
+    return done
+
+
+def _restore_warnings(shell: Any, doc: dict[str, Any], done: Outcome) -> None:
     warned = doc.get("warnings", {})
     try:
         restored, lost = warnstate.restore(shell, warned)
@@ -156,6 +171,10 @@ def finish(shell: Any, doc: dict[str, Any], outputs: dict[Any, object] | None) -
     done.done += restored
     for name, reason in lost:
         done.fail(name, reason)
+
+
+def _restore_random(doc: dict[str, Any], done: Outcome) -> None:
+    """Last: nothing a restore runs may draw from them afterwards."""
     if "random" in doc:
         try:
             random.setstate(doc["random"])
@@ -168,7 +187,6 @@ def finish(shell: Any, doc: dict[str, Any], outputs: dict[Any, object] | None) -
             done.done.append("numpy.random state")
         except Exception as error:
             done.fail("numpy.random state", repr(error))
-    return done
 
 
 def _restore_history(shell: Any, doc: dict[str, Any], outputs: dict[Any, object] | None,

@@ -159,6 +159,9 @@ class RestoreReport(BaseModel):
     #: The snapshot's size, when one was downloaded.
     bytes: int = Field(0, ge=0)
     seconds: float = Field(0.0, ge=0)
+    #: The values were in the kernel's memory before the placement (a standby's,
+    #: loaded after each cell): nothing was loaded when it was promoted.
+    preloaded: bool = False
 
 
 class LayerRestore(BaseModel):
@@ -342,6 +345,13 @@ class DrainRequest(BaseModel):
     boot_id: str
 
 
+class HeldRuntime(BaseModel):
+    """A runtime an agent runs, as its heartbeat reports it."""
+
+    workspace_id: str = Field(max_length=100)
+    generation: int = Field(ge=1)
+
+
 class Heartbeat(BaseModel):
     """``POST /internal/agents/{agent_id}/heartbeat``."""
 
@@ -349,6 +359,23 @@ class Heartbeat(BaseModel):
     #: Kernels that died for a reason the agent knows (a memory limit) since the
     #: last heartbeat: each becomes its workspace's ``last_error``.
     kernel_deaths: list[KernelDeath] = Field(default=[], max_length=1000)
+    #: The runtimes the agent runs, so that the reply can name those no longer
+    #: placed on it (older agents send none, and are told of none).
+    runtimes: list[HeldRuntime] = Field(default=[], max_length=10_000)
+
+
+class HeartbeatReply(BaseModel):
+    """The control plane's answer to :class:`Heartbeat` (older control planes
+    answer 204, with no body)."""
+
+    #: After this long without a heartbeat the control plane may presume the host
+    #: dead and place its workspaces elsewhere: the agent's lease on writing to the
+    #: store on its own (``agent.livesync.Lease``).
+    agent_timeout_s: float = Field(gt=0)
+    #: Of the runtimes the heartbeat reported, the workspaces no longer placed on
+    #: this agent (in another host's or boot's hands, or a newer placement's): the
+    #: agent drops them without syncing their files back.
+    stale: list[str] = []
 
 
 class AttemptBeat(BaseModel):

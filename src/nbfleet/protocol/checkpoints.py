@@ -7,11 +7,15 @@ restores the last completed cell. The database is the one serialisation point: a
 report is kept only from the host the workspace runs on now, in the boot and
 generation it was placed with (the fencing token). One task per kernel on the
 agent reports in order, so within a placement a report follows the one before.
+
+A restarted kernel (its user's restart, or the agent's after a crash) is reported
+the same way, with no key: its variables are gone on purpose, so a later placement
+must not bring back those of a cell before the restart.
 """
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 
 class CellCheckpoint(BaseModel):
@@ -21,12 +25,21 @@ class CellCheckpoint(BaseModel):
     boot_id: str = Field(max_length=200)
     generation: int = Field(ge=1)
     kernel_id: str = Field(max_length=200)
-    #: The snapshot's manifest in the blob store.
-    key: str = Field(max_length=1024)
+    #: The snapshot's manifest in the blob store; None: the kernel's process was
+    #: restarted and nothing is saved (its namespace is empty as of the restart).
+    key: str | None = Field(max_length=1024)
     bytes: int = Field(ge=0)
     written: int = Field(ge=0)
-    #: The execution count of the last cell the state includes (0: none ran yet).
+    #: The execution count of the last cell the state includes (0: none ran yet,
+    #: as for a restart).
     cell: int = Field(ge=0)
+
+    @model_validator(mode="after")
+    def _a_restart_saved_nothing(self) -> CellCheckpoint:
+        """A restart's report names no state, so it can carry no size or cell."""
+        if self.key is None and (self.bytes or self.written or self.cell):
+            raise ValueError("a restart (no key) saved nothing: bytes, written and cell are 0")
+        return self
 
 
 class CheckpointRecorded(BaseModel):

@@ -21,7 +21,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
@@ -244,6 +244,15 @@ class BlobStore:
         if not self.fs.isfile(path):
             raise NotFound(f"no such file: {key}")
         self.fs.rm_file(path)
+
+    def delete_many(self, keys: Sequence[str]) -> None:
+        """Delete these blobs (batched on S3); a key that is not there is no error."""
+        if self._s3 is not None:
+            self._s3.delete_many([self._key(key) for key in keys])
+            return
+        for key in keys:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._path(key))
 
     def delete_prefix(self, prefix: str) -> None:
         if self._s3 is not None:

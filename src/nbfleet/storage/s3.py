@@ -285,6 +285,10 @@ class S3Backend:
         found = [str(item["Key"]) for item in self._objects(f"{base}/")]
         self._delete_objects([*found, base])
 
+    def delete_many(self, keys: Sequence[str]) -> None:
+        """These keys, a thousand to a request; one that is not there is no error."""
+        self._delete_objects([self.object_key(key) for key in keys if self._fits(key)])
+
     def _delete_objects(self, keys: Sequence[str]) -> None:
         for start in range(0, len(keys), _DELETE_BATCH):
             batch = [{"Key": key} for key in keys[start:start + _DELETE_BATCH]]

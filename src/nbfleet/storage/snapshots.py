@@ -68,7 +68,7 @@ def sha256_file(path: str) -> str:
     return digest.hexdigest()
 
 
-def _referenced(manifest: dict[str, Any]) -> list[str]:
+def referenced_blobs(manifest: dict[str, Any]) -> list[str]:
     """The manifest's blobs, each checked to be a digest before any is used in a
     path (the kernel wrote the manifest: ``../x`` must never reach ``os.link``)."""
     blobs = manifest.get("blobs", [])
@@ -94,7 +94,7 @@ def upload_state(store: BlobStore, workspace_id: str, kernel_id: str, state_dir:
         raw = beneath.read_fd(opened[0], MAX_MANIFEST_BYTES)
     if raw is None:
         raise CorruptSnapshot("the kernel's manifest is too large")
-    blobs = _referenced(json.loads(raw))
+    blobs = referenced_blobs(json.loads(raw))
 
     def upload(digest: str) -> tuple[int, int]:
         key = cas_key(workspace_id, digest)
@@ -130,6 +130,17 @@ def read_manifest(store: BlobStore, workspace_id: str, key: str) -> bytes:
     return raw
 
 
+def parse_manifest(raw: bytes) -> dict[str, Any]:
+    """A stored manifest's JSON object (see :func:`referenced_blobs` for its blobs)."""
+    try:
+        manifest = json.loads(raw)
+    except ValueError as exc:
+        raise CorruptSnapshot(f"the manifest is not valid JSON: {exc}") from exc
+    if not isinstance(manifest, dict):
+        raise CorruptSnapshot("the manifest is not a JSON object")
+    return manifest
+
+
 def download_state(store: BlobStore, workspace_id: str, key: str, state_dir: str,
                    reuse: str | None = None) -> int:
     """Fetch a snapshot into ``state_dir`` and verify it; returns its size in bytes.
@@ -138,13 +149,7 @@ def download_state(store: BlobStore, workspace_id: str, key: str, state_dir: str
     whose verified blobs are linked instead of fetched again.
     """
     raw = read_manifest(store, workspace_id, key)
-    try:
-        manifest = json.loads(raw)
-    except ValueError as exc:
-        raise CorruptSnapshot(f"the manifest is not valid JSON: {exc}") from exc
-    if not isinstance(manifest, dict):
-        raise CorruptSnapshot("the manifest is not a JSON object")
-    blobs = _referenced(manifest)
+    blobs = referenced_blobs(parse_manifest(raw))
     os.makedirs(os.path.join(state_dir, "blobs"), exist_ok=True)
 
     def fetch(digest: str) -> int:

@@ -86,9 +86,9 @@ class CellGate:
     _replies: dict[str, asyncio.Event] = field(default_factory=dict)
     _worker: asyncio.Task[None] | None = None
     _stops: set[asyncio.Task[None]] = field(default_factory=set)
-    #: The kernel's host was lost with a cell on it: the cells queued behind it are
-    #: aborted (it ended in an error), not sent to the kernel's next host.
-    _host_lost: bool = False
+    #: Cells the kernel's host was lost with (by msg_id): the cells queued behind
+    #: such a cell are aborted (it ended in an error), not sent to the next host.
+    _lost: set[str] = field(default_factory=set)
 
     def start(self) -> None:
         self._worker = asyncio.create_task(self._serve())
@@ -121,9 +121,11 @@ class CellGate:
             if event is not None:
                 event.set()
 
-    def host_lost(self) -> None:
-        """Called before the relay answers the cell the lost host was running."""
-        self._host_lost = True
+    def host_lost(self, msg_ids: set[str]) -> None:
+        """Called before the relay answers the cells the lost host never answered.
+        Per cell: a host lost after its cell had ended (the scheduler released it
+        first) must not abort the cells behind the next one."""
+        self._lost |= msg_ids
 
     def interrupt(self) -> None:
         """Withdraw the cell waiting for GPUs, if any (a running one is the
@@ -185,11 +187,18 @@ class CellGate:
         if notice is not None:
             notice = f"{got} after waiting {binding.waited_s:.1f} s"
             await self._notice(request, notice, first=False)
-        moved_ok = binding.host_id == self.current_host() or await self._move(
-            request, scheduler, binding, got, notice is None)
-        if not moved_ok:
-            return False
-        refusal = await self.admit(binding, lambda reason: self._spawn_stop(request, reason))
+        try:
+            moved_ok = binding.host_id == self.current_host() or await self._move(
+                request, scheduler, binding, got, notice is None)
+            if not moved_ok:
+                return False
+            refusal = await self.admit(binding,
+                                       lambda reason: self._spawn_stop(request, reason))
+        except asyncio.CancelledError:
+            # The connection closed during the move or the metering: the cell was
+            # never delivered, so no agent will report its end. Its GPUs go back now.
+            scheduler.release(task_id)
+            raise
         if refusal is not None:
             scheduler.release(task_id)
             await self._fail(request, "InsufficientCredit", f"{refusal}; the cell did not run",
@@ -210,7 +219,8 @@ class CellGate:
         finally:
             self._replies.pop(request.msg_id, None)
         scheduler.release(task_id)
-        lost, self._host_lost = self._host_lost, False
+        lost = request.msg_id in self._lost
+        self._lost.clear()  # cells run one at a time: older entries no longer matter
         return not lost
 
     async def _move(self, request: ClientRequest, scheduler: LiveScheduler, binding: Binding,

@@ -49,6 +49,19 @@ class ClientRequest:
             content = _loads(self.parts[3])
         return content if isinstance(content, dict) else {}
 
+    @property
+    def bound_host(self) -> str | None:
+        """The host named by the binding in its metadata (the gate's: a client's own
+        never survives ``with_binding``), or None."""
+        if self.message is not None:
+            metadata = self.message.get("metadata")
+        else:
+            assert self.parts is not None
+            metadata = _loads(self.parts[2])
+        binding = metadata.get(BINDING_KEY) if isinstance(metadata, dict) else None
+        host = binding.get("host_id") if isinstance(binding, dict) else None
+        return host if isinstance(host, str) else None
+
     def with_binding(self, binding: CellBinding | None) -> Frame:
         """The frame to forward, with our binding (or none) in its metadata; a
         binding the client wrote itself never survives."""

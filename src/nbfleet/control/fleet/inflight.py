@@ -33,15 +33,23 @@ class CellsInFlight:
     #: The execution count of the last reply seen (None before the first).
     last_completed: int | None = None
 
-    def sent(self, frame: Frame) -> None:
-        """A client's frame on its way to the kernel."""
+    def sent(self, frame: Frame, host_id: str | None = None) -> tuple[str, list[Frame]] | None:
+        """A client's frame on its way to the kernel (on ``host_id``, when the caller
+        knows it): a cell is recorded, and None says the frame may go. A cell whose
+        GPUs were bound on another host than ``host_id`` (the one it was let through
+        to went before it was sent) must not go: its binding names that host's GPUs.
+        It is not recorded; its msg_id and its answer, "did not run", are returned."""
         request = open_client_frame(frame, self.protocol)
         if request is None or request.channel != "shell" or \
                 request.msg_type != "execute_request":
-            return
+            return None
+        bound = request.bound_host
+        if host_id is not None and bound is not None and bound != host_id:
+            return request.msg_id, _host_lost(request, bound, ran=False)
         self.pending[request.msg_id] = request
         while len(self.pending) > LIMIT:
             self.pending.popitem(last=False)
+        return None
 
     def received(self, frame: Frame) -> None:
         """A kernel's frame on its way to the client."""
@@ -60,15 +68,18 @@ class CellsInFlight:
         unanswered cell, in the order they were sent; forgets them."""
         frames: list[Frame] = []
         for index, request in enumerate(self.pending.values()):
-            what = ("ended while this cell ran: it was interrupted" if index == 0
-                    else "ended before this cell ran: it did not run")
-            text = (f"The connection to this kernel's host ({host_id}) {what}, and it "
-                    "will not be run again. If the host was lost, the kernel restarts on "
-                    "another host with the variables of its last saved cell, and says so.")
-            error = {"ename": ENAME, "evalue": text, "traceback": [f"{ENAME}: {text}"]}
-            frames.append(reply_frame(request, "iopub", "error", error))
-            frames.append(reply_frame(request, "shell", "execute_reply",
-                                      {"status": "error", "execution_count": None, **error}))
-            frames.append(reply_frame(request, "iopub", "status", {"execution_state": "idle"}))
+            frames += _host_lost(request, host_id, ran=index == 0)
         self.pending.clear()
         return frames
+
+def _host_lost(request: ClientRequest, host_id: str, ran: bool) -> list[Frame]:
+    what = ("ended while this cell ran: it was interrupted" if ran
+            else "ended before this cell ran: it did not run")
+    text = (f"The connection to this kernel's host ({host_id}) {what}, and it "
+            "will not be run again. If the host was lost, the kernel restarts on "
+            "another host with the variables of its last saved cell, and says so.")
+    error = {"ename": ENAME, "evalue": text, "traceback": [f"{ENAME}: {text}"]}
+    return [reply_frame(request, "iopub", "error", error),
+            reply_frame(request, "shell", "execute_reply",
+                        {"status": "error", "execution_count": None, **error}),
+            reply_frame(request, "iopub", "status", {"execution_state": "idle"})]

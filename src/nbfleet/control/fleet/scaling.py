@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterable, Set
 from typing import TYPE_CHECKING, Any
 
-from nbfleet.control.drain import empty_host
+from nbfleet.control.drain import Homes, empty_host
 from nbfleet.control.fleet.provider import HostProvider, HostState
 from nbfleet.control.fleet.scheduler import LiveScheduler
 
@@ -45,6 +45,16 @@ class Scaler:
     def owns(self, host_id: str) -> bool:
         return self.provider is not None and any(
             h.agent_id == host_id for h in self.provider.hosts())
+
+    def static_hosts(self, host_ids: Iterable[str], leaving: Set[str] = frozenset()) -> int:
+        """How many of these hosts the autoscaler can never stop: those its provider
+        did not start, less those on their way out (``leaving``, or released by this
+        scaler). A released host stays registered until its heartbeats lapse; counted
+        as someone else's, it raised the floor to the fleet's peak, and the
+        autoscaler scaled out again the moment it had scaled in."""
+        return sum(1 for host_id in host_ids
+                   if host_id not in self.draining and host_id not in leaving
+                   and not self.owns(host_id))
 
     def scale_out(self, count: int, reason: str) -> None:
         if self.provider is None:
@@ -91,7 +101,14 @@ class Scaler:
         assert self.provider is not None
         deadline = asyncio.get_running_loop().time() + DRAIN_TIMEOUT_S
         while asyncio.get_running_loop().time() < deadline:
-            left = await asyncio.to_thread(self._empty_host, host_id)
+            fleet = self.platform.fleet
+            if fleet.token is None:
+                log.info("no longer in charge: host %s is left to the replica that is",
+                         host_id)
+                return
+            homes = Homes.of(fleet.scheduler, host_id)
+            left = await asyncio.to_thread(empty_host, self.platform.db, host_id, homes,
+                                           fleet.token, self.platform.config.agent_timeout_s)
             if left == 0:
                 break
             self.platform.wake()
@@ -101,11 +118,6 @@ class Scaler:
                         host_id, DRAIN_TIMEOUT_S)
         await self.provider.release(host_id)
         log.info("host %s released", host_id)
-
-    def _empty_host(self, host_id: str) -> int:
-        """Ask every workspace still on the host to leave (the admin drain's path
-        too: ``control/drain.py``); how many are still there."""
-        return empty_host(self.platform, host_id, self.platform.fleet.scheduler)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -20,10 +20,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from nbfleet.control.drain import empty_host
+from nbfleet.control.drain import Homes, empty_host
 from nbfleet.control.fleet import facts
 from nbfleet.control.fleet.cellgate import GateRegistry
 from nbfleet.control.fleet.metering import CellMeter
+from nbfleet.control.fleet.prewarm import warm_pool_ready
 from nbfleet.control.fleet.provider import HostProvider
 from nbfleet.control.fleet.scaling import Scaler
 from nbfleet.control.fleet.scheduler import (
@@ -35,7 +36,6 @@ from nbfleet.control.fleet.sizing import outgrown, sized_policy
 from nbfleet.control.fleet.view import export_gauges
 from nbfleet.control.hosts import draining_hosts
 from nbfleet.model.cluster import ResourceSpec
-from nbfleet.model.errors import DomainError, Unavailable
 from nbfleet.model.resources import HostInventory
 from nbfleet.policy.scheduling.base import FleetPolicy
 from nbfleet.policy.scheduling.decisions import Migrated
@@ -49,9 +49,6 @@ log = logging.getLogger(__name__)
 UNREPORTED_GRACE_S = 5.0
 #: How often running cells are checked against their agents' reports.
 REAP_EVERY_S = 10.0
-#: How long a prewarm may take before the scheduler stops waiting for it (the
-#: host then keeps counting those containers as warming, and is not asked again).
-PREWARM_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +83,7 @@ class FleetService:
     # ----------------------------------------------------------- the policy
     def new_policy(self, hosts: Sequence[tuple[str, HostInventory]]) -> FleetPolicy:
         """The configured policy, sized for these hosts (``sizing.py``)."""
-        static = sum(1 for host_id, _ in hosts if not self.scaler.owns(host_id))
+        static = self.scaler.static_hosts((h for h, _ in hosts), self._admin_draining)
         return sized_policy(self.platform.config.fleet, [inv for _, inv in hosts], static)
 
     def use_provider(self, provider: HostProvider | None) -> None:
@@ -253,8 +250,10 @@ class FleetService:
             lost = scheduler.host_lost(host_id)
             log.info("host %s is draining: out of the model (%d cells running there)",
                      host_id, len(lost))
-        if alive:
-            left = await asyncio.to_thread(empty_host, self.platform, host_id, scheduler)
+        if alive and self.token is not None:
+            left = await asyncio.to_thread(empty_host, self.platform.db, host_id,
+                                          Homes.of(scheduler, host_id), self.token,
+                                          self.platform.config.agent_timeout_s)
             if left:
                 self.platform.wake()
 
@@ -285,26 +284,11 @@ class FleetService:
         task.add_done_callback(self._prewarms.discard)
 
     async def _prewarm(self, scheduler: LiveScheduler, host_id: str, count: int) -> None:
-        url = self._host_urls.get(host_id)
         policy = scheduler.policy
         target = policy.warm.get(host_id, 0) + policy.warming.get(host_id, 0)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + PREWARM_TIMEOUT_S
-        try:
-            if url is None:
-                raise Unavailable(f"no address known for host {host_id}")
-            state = await self.platform.agents.warm_pool(url, target)
-            while state.ready < target:
-                if loop.time() > deadline:
-                    log.warning("host %s did not warm %d containers within %.0f s",
-                                host_id, target, PREWARM_TIMEOUT_S)
-                    return
-                await asyncio.sleep(0.25)
-                state = await self.platform.agents.warm_pool(url)
-        except DomainError as exc:
-            log.warning("prewarming %d containers on %s failed: %s", count, host_id, exc)
-            return
-        if self.scheduler is scheduler and host_id in scheduler.policy.hosts:
+        ready = await warm_pool_ready(self.platform, host_id, self._host_urls.get(host_id),
+                                      target)
+        if ready and self.scheduler is scheduler and host_id in scheduler.policy.hosts:
             scheduler.prewarmed(host_id, count)
 
     def released(self, agent_id: str, task_ids: Sequence[str]) -> int:

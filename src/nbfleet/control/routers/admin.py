@@ -132,7 +132,7 @@ def list_agents(request: Request, _: Principal = Depends(require_admin)) -> dict
 def get_host(host_id: str, request: Request,
              _: Principal = Depends(require_admin)) -> HostDrainState:
     with platform_of(request).db.transaction(write=False) as session:
-        return drain.report(session, host_id).state()
+        return drain.report(session, host_id)
 
 
 @router.post("/hosts/{host_id}/drain",
@@ -147,7 +147,7 @@ def drain_host(host_id: str, request: Request,
     with platform.db.transaction() as session:
         found = drain.start(session, host_id, platform.db.now(session))
     platform.wake()
-    return found.state()
+    return found
 
 
 @router.delete("/hosts/{host_id}/drain", summary="Stop draining a host: it takes work again")
@@ -157,4 +157,4 @@ def undrain_host(host_id: str, request: Request,
     with platform.db.transaction() as session:
         found = drain.stop(session, host_id)
     platform.wake()
-    return found.state()
+    return found

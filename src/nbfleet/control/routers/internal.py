@@ -16,6 +16,7 @@ from nbfleet.protocol.agent import (
     AttemptFinished,
     DrainRequest,
     Heartbeat,
+    HeartbeatReply,
     JobDirectives,
     JobHeartbeats,
     Registered,
@@ -48,14 +49,20 @@ def register_agent(body: Registration, request: Request) -> Registered:
     return Registered(blobs_url=platform.config.blobs_url)
 
 
-@router.post("/agents/{agent_id}/heartbeat", status_code=204)
-def agent_heartbeat(agent_id: str, body: Heartbeat, request: Request) -> None:
+@router.post("/agents/{agent_id}/heartbeat")
+def agent_heartbeat(agent_id: str, body: Heartbeat, request: Request) -> HeartbeatReply:
+    """Record the host alive; answer with the agent timeout (the agent's lease on
+    writing files to the store) and which of its runtimes are no longer its own.
+    Older agents ignored the 204 this used to be, and ignore the body."""
     platform = platform_of(request)
     with platform.db.transaction() as session:
         hosts.heartbeat(session, platform.db.now(session), agent_id, body.boot_id)
         for death in body.kernel_deaths:
             hosts.kernel_died(session, agent_id, death.workspace_id,
                               f"kernel {death.kernel_id}: {death.reason}")
+        stale = hosts.stale_runtimes(session, agent_id, body.boot_id,
+                                     [(r.workspace_id, r.generation) for r in body.runtimes])
+    return HeartbeatReply(agent_timeout_s=platform.config.agent_timeout_s, stale=stale)
 
 
 @router.post("/agents/{agent_id}/drain")
@@ -68,7 +75,7 @@ def agent_drain(agent_id: str, body: DrainRequest, request: Request) -> HostDrai
         hosts.heartbeat(session, platform.db.now(session), agent_id, body.boot_id)
         found = drain.start(session, agent_id, platform.db.now(session))
     platform.wake()
-    return found.state()
+    return found
 
 
 @router.post("/workspaces/{workspace_id}/checkpoints")
@@ -76,11 +83,12 @@ async def cell_checkpoint(workspace_id: str, body: CellCheckpoint,
                           request: Request) -> CheckpointRecorded:
     """An agent saved a kernel's state after a cell: kept as the kernel's latest
     state if the agent still runs the workspace (``failover``), and sent on to its
-    standby replicas (``standbys``)."""
+    standby replicas (``standbys``). A restart's report (no key) has nothing to
+    stage: a promotion restores the recorded state, which is then none."""
     platform = platform_of(request)
     recorded = await asyncio.to_thread(failover.record_checkpoint, platform.db,
                                        workspace_id, body)
-    if recorded.kept:
+    if recorded.kept and body.key is not None:
         await platform.standbys.checkpointed(workspace_id, body.generation, body.kernel_id,
                                              body.key, body.cell)
     return recorded

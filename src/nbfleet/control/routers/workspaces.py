@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import time
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request
@@ -177,16 +175,8 @@ async def _request_state(request: Request, principal: Principal, workspace_id: s
             return workspaces.is_done(ws), (resume_answer(body, generation, found_running)
                                             if resuming else body)
 
-    deadline = time.monotonic() + wait
-    while True:
-        changed = platform.changed(first["id"])  # before the read: no change slips between
-        done, body = await asyncio.to_thread(read)
-        remaining = deadline - time.monotonic()
-        if done or remaining <= 0:
-            return JSONResponse(body, status_code=200 if done else 202)
-        with contextlib.suppress(TimeoutError):  # other replicas do not signal: poll too
-            async with asyncio.timeout(min(remaining, platform.poll_s())):
-                await changed.wait()
+    done, body = await platform.until(first["id"], read, wait)
+    return JSONResponse(body, status_code=200 if done else 202)
 
 
 @router.post("/{workspace_id}/suspend", status_code=202, summary="Suspend a workspace",
