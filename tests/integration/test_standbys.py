@@ -10,10 +10,19 @@ import asyncio
 import os
 from pathlib import Path
 
+import httpx
 import pytest
 
+from nbfleet.sdk.kernel_socket import KernelSocket
 from tests.conftest import fresh_database
-from tests.support.cluster import Cluster, agent_names, start_kernel, wait_state, wait_until
+from tests.support.cluster import (
+    Cluster,
+    agent_names,
+    start_kernel,
+    token_of,
+    wait_state,
+    wait_until,
+)
 from tests.support.credit_api import new_tenant
 from tests.support.standby_cluster import (
     AFTER,
@@ -29,6 +38,16 @@ from tests.support.standby_cluster import (
 pytestmark = pytest.mark.timeout(300)
 
 
+async def _run_cell(cluster: Cluster, client: httpx.Client, ws: str, kernel: str,
+                    code: str) -> None:
+    sock = await KernelSocket.connect(cluster.channels_url(ws, kernel), token_of(client))
+    try:
+        done = await sock.execute(code)
+        assert done.status == "ok", done.reply
+    finally:
+        await sock.close()
+
+
 def test_a_standby_is_kept_in_sync_and_promoted_when_the_executor_s_host_dies(
         tmp_path: Path) -> None:
     with fresh_database(tmp_path) as url:
@@ -42,8 +61,13 @@ def test_a_standby_is_kept_in_sync_and_promoted_when_the_executor_s_host_dies(
             assert executor not in standbys(cluster, ws)
             # A kernel started later is kept warm there too (the standby follows).
             second = start_kernel(client, ws)
-            wait_until(lambda: set(standbys(cluster, ws).get(other, {})) == {kernel, second},
-                       30, 0.2, "the second kernel in the standby")
+            # A cell in it at once: its checkpoint can reach the control plane before
+            # the standby has the kernel (that stage is refused), and the standby then
+            # made with the checkpoint's key knows no cell. The keeper sends it on.
+            asyncio.run(_run_cell(cluster, client, ws, second, "v = 1"))
+            wait_until(lambda: standbys(cluster, ws).get(other, {}).get(second, {})
+                       .get("cell") == 1, 30, 0.2, "the second kernel's cell staged")
+            assert set(standbys(cluster, ws)[other]) == {kernel, second}
             assert set(agent_standbys(cluster, other)[ws]["kernels"]) == {kernel, second}
             assert ws not in agent_standbys(cluster, executor)
 

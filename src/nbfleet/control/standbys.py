@@ -168,7 +168,7 @@ class StandbyKeeper:
             for ws_id, kernel_id, name in session.execute(
                     select(Kernel.workspace_id, Kernel.id, Kernel.name)
                     .where(Kernel.workspace_id.in_(list(kernels)))
-                    .order_by(Kernel.created_at)).tuples():
+                    .order_by(Kernel.created_at)):
                 kernels[ws_id].append((kernel_id, name))
             wanted: list[Want] = []
             keep: set[tuple[str, str]] = set()
@@ -188,8 +188,12 @@ class StandbyKeeper:
                         continue
                     for kernel_id, saved in ((ws.snapshot or {}).get("kernels") or {}).items():
                         staged = (row.staged or {}).get(kernel_id) or {}
-                        if isinstance(saved, dict) and saved.get("key") and \
-                                staged.get("key") != saved["key"]:
+                        # The cell too: a standby made with the latest checkpoint
+                        # (its order names keys only) has it with no cell, and the
+                        # stage that named the cell may have come before its kernel.
+                        if isinstance(saved, dict) and saved.get("key") and (
+                                staged.get("key") != saved["key"]
+                                or staged.get("cell") != saved.get("cell")):
                             lagging.add((ws.id, _generation(ws), kernel_id,
                                          str(saved["key"]), saved.get("cell")))
             # A workspace on its way to a host (its executor was lost, or it moves for
@@ -271,7 +275,7 @@ class StandbyKeeper:
         with self.platform.db.transaction(write=False) as session:
             return [(row.host_id, url) for row, url in session.execute(
                 select(StandbyReplica, Agent.url).join(Agent, Agent.id == StandbyReplica.host_id)
-                .where(StandbyReplica.workspace_id == workspace_id)).tuples()]
+                .where(StandbyReplica.workspace_id == workspace_id))]
 
     async def _send(self, workspace_id: str, host_id: str, url: str, sync: _Sync) -> None:
         while sync.waiting:
@@ -310,7 +314,7 @@ def hosts_with_standbys(session: Any, workspace_id: str, snapshot: dict[str, Any
     found: list[tuple[bool, str]] = []
     for row, agent in session.execute(
             select(StandbyReplica, Agent).join(Agent, Agent.id == StandbyReplica.host_id)
-            .where(StandbyReplica.workspace_id == workspace_id)).tuples():
+            .where(StandbyReplica.workspace_id == workspace_id)):
         if row.boot_id != agent.boot_id or \
                 agent.last_heartbeat_at < hosts.alive_since(now, timeout_s):
             continue

@@ -51,7 +51,7 @@ def placed(platform: Platform) -> tuple[list[HostFact], list[KernelFacts]]:
                 select(Workspace, Project.job_weight)
                 .join(Project, Project.id == Workspace.project_id)
                 .where(Workspace.state.in_([str(s) for s in PLACED_STATES]),
-                       Workspace.gpu_placement.is_not(None))).tuples():
+                       Workspace.gpu_placement.is_not(None))):
             placement = ws.gpu_placement or {}
             kernels.append(KernelFacts(
                 ws.id, spec_from_json(ws.resources), tuple(placement.get("hosts", ())),
