@@ -42,14 +42,13 @@ from tests.support.hostile import (
     disk_bomb,
     fork_bomb,
     host_uid,
-    interpreter_reachable_by,
     kernel_host_pids,
     memory_bomb,
     network_probe,
     new_tenant,
+    platform_user,
     read_probe,
     signal_probe,
-    unprivileged_user,
 )
 
 pytestmark = [
@@ -63,27 +62,10 @@ pytestmark = [
 SECRET = "tenant-b-private-" + uuid.uuid4().hex
 
 
-def _platform_user(mode: str) -> tuple[int, int] | None:
-    """Who the platform runs as in ``mode``; skips what this test run cannot do."""
-    if os.geteuid() != 0:
-        if mode == "root":
-            pytest.skip("the tests run unprivileged: the platform cannot run as root")
-        return None  # the platform runs as we do
-    if mode == "root":
-        return None
-    user = unprivileged_user()
-    why = interpreter_reachable_by(*user)
-    if why is not None:
-        if os.environ.get("CI"):
-            pytest.fail(why)
-        pytest.skip(why)
-    return user
-
-
 @pytest.fixture(scope="module", params=["root", "unprivileged"])
 def field(request: pytest.FixtureRequest) -> Iterator[Battlefield]:
     mode = str(request.param)
-    run_as = _platform_user(mode)
+    run_as = platform_user(mode)
     # Outside /tmp (which every sandbox replaces anyway), like an NBFLEET_HOME in a
     # checkout, so hiding the platform's directories is what the probes test.
     root = Path(tempfile.mkdtemp(prefix="nbf-hostile-", dir="/var/tmp"))

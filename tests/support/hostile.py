@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.support.cluster import Cluster, create_running, run_cell, start_kernel
 
@@ -74,6 +75,24 @@ class Battlefield:
 def unprivileged_user() -> tuple[int, int]:
     entry = pwd.getpwnam("nobody")
     return entry.pw_uid, entry.pw_gid
+
+
+def platform_user(mode: str) -> tuple[int, int] | None:
+    """Who the platform runs as in ``mode`` ("root" or "unprivileged"): None for
+    the test's own user; skips (fails under CI) what this test run cannot do."""
+    if os.geteuid() != 0:
+        if mode == "root":
+            pytest.skip("the tests run unprivileged: the platform cannot run as root")
+        return None  # the platform runs as we do
+    if mode == "root":
+        return None
+    user = unprivileged_user()
+    why = interpreter_reachable_by(*user)
+    if why is not None:
+        if os.environ.get("CI"):
+            pytest.fail(why)
+        pytest.skip(why)
+    return user
 
 
 def interpreter_reachable_by(uid: int, gid: int) -> str | None:

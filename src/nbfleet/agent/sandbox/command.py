@@ -21,6 +21,9 @@ Python of a ``/root/.pyenv`` lives under a 0700 ``/root``); ``setpriv`` then dro
 the slot's uid with no capabilities; the inner one (unprivileged) makes the user,
 PID, network, IPC and UTS namespaces and applies the filter. An unprivileged agent
 runs only the inner one.
+
+Every sandboxed process dies with the agent, a kill -9 included: no kernel or job
+is left holding memory or a GPU that the agent's next boot knows nothing of.
 """
 
 from __future__ import annotations
@@ -84,7 +87,13 @@ class Sandbox:
         else:
             # The host's /dev, bound read-only, would be nodev (every device node,
             # /dev/null included, refused): a /dev of its own, with the GPUs given.
-            outer = [self.bwrap, "--ro-bind", "/", "/", "--bind", "/proc", "/proc",
+            # A PID namespace of its own ties the sandbox to the agent: the uid
+            # switch clears the inner bubblewrap's parent-death signal, and its
+            # processes outlived a kill -9 of the agent. The namespace's init dies
+            # with the outer one (--die-with-parent), and the kernel then ends every
+            # process in it. /proc stays the host's: the inner one mounts its own.
+            outer = [self.bwrap, "--unshare-pid", "--ro-bind", "/", "/",
+                     "--bind", "/proc", "/proc",
                      "--dev", "/dev", *self._devices(devices or []), *view,
                      "--die-with-parent", "--"]
             drop = [self.setpriv]
