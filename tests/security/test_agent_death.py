@@ -3,9 +3,9 @@ as an unprivileged user, as CI does).
 
 An agent that crashed and came back starts with a new boot: it knows nothing of
 the kernels its last boot ran. Any that survived would hold memory and GPUs no
-scheduler counts, and go on running a tenant's code unbilled. As root, the uid
-switch into the slot's uid (``setpriv``) cleared the inner bubblewrap's
-parent-death signal, and every kernel outlived its agent; the outer sandbox's PID
+scheduler counts, and go on running a tenant's code unbilled. As root, behind the
+switch into the slot's uid (``setpriv``) the inner bubblewrap's --die-with-parent
+did not fire, and every kernel outlived its agent; the outer sandbox's PID
 namespace now ends them all. A kernel that detaches a process of its own (a new
 session, its parent gone) must not escape that either.
 """

@@ -84,6 +84,10 @@ class StandbyKeeper:
     #: (workspace, host) -> (failures in a row, not tried again before): a standby
     #: that cannot be made is not made again every pass (each try starts kernels).
     _backoff: dict[tuple[str, str], tuple[int, float]] = field(default_factory=dict)
+    #: The same for a standby whose stage failed: a pass does not send it the
+    #: latest checkpoint again every second (each try may start a kernel). A new
+    #: checkpoint is always sent.
+    _stage_backoff: dict[tuple[str, str], tuple[int, float]] = field(default_factory=dict)
     _last_pass: float = float("-inf")
     _pass: asyncio.Task[None] | None = None
     _syncs: dict[tuple[str, str], _Sync] = field(default_factory=dict)
@@ -132,18 +136,33 @@ class StandbyKeeper:
         async def make(want: Want) -> None:
             async with limit:
                 made = await self._make(want)
-            pair = (want.workspace_id, want.host_id)
-            if made:
-                self._backoff.pop(pair, None)
-            else:
-                failures = self._backoff.get(pair, (0, 0.0))[0] + 1
-                self._backoff[pair] = (failures, time.monotonic()
-                                       + min(BACKOFF_MAX_S, 2.0 ** failures))
+            _note(self._backoff, (want.workspace_id, want.host_id), made)
         await asyncio.gather(*(make(want) for want in wanted))
         # A standby made after the workspace's last checkpoint was sent on (or that
-        # missed one) is brought up to date now, not at the next cell.
+        # missed one) is brought up to date now, not at the next cell. Read again:
+        # a newer checkpoint recorded while the standbys were made is sent already.
+        for workspace_id, generation, kernel_id, key, cell in await asyncio.to_thread(
+                self._still_latest, lagging):
+            await self.checkpointed(workspace_id, generation, kernel_id, key, cell,
+                                    catch_up=True)
+
+    def _still_latest(self, lagging: list[tuple[str, int, str, str, int | None]]
+                      ) -> list[tuple[str, int, str, str, int | None]]:
+        """The checkpoints of ``lagging`` that are still their kernel's latest."""
+        if not lagging:
+            return []
+        with self.platform.db.transaction(write=False) as session:
+            latest = {ws.id: (_generation(ws), (ws.snapshot or {}).get("kernels") or {})
+                      for ws in session.execute(select(Workspace).where(
+                          Workspace.id.in_({item[0] for item in lagging}))).scalars()}
+        kept = []
         for workspace_id, generation, kernel_id, key, cell in lagging:
-            await self.checkpointed(workspace_id, generation, kernel_id, key, cell)
+            current_generation, kernels = latest.get(workspace_id, (None, {}))
+            saved = kernels.get(kernel_id)
+            if current_generation == generation and isinstance(saved, dict) and \
+                    (saved.get("key"), saved.get("cell")) == (key, cell):
+                kept.append((workspace_id, generation, kernel_id, key, cell))
+        return kept
 
     def _plan(self, model: dict[str, list[str]] | None
               ) -> tuple[list[Want], list[tuple[str, str, str | None]],
@@ -252,19 +271,29 @@ class StandbyKeeper:
 
     def _forget(self, workspace_id: str, host_id: str) -> None:
         self._syncs.pop((workspace_id, host_id), None)
+        self._stage_backoff.pop((workspace_id, host_id), None)
         with self.platform.db.transaction() as session:
             session.execute(delete(StandbyReplica).where(
                 StandbyReplica.workspace_id == workspace_id, StandbyReplica.host_id == host_id))
 
     # ------------------------------------------------------------ the syncs
     async def checkpointed(self, workspace_id: str, generation: int, kernel_id: str,
-                           key: str, cell: int | None) -> None:
+                           key: str, cell: int | None, *, catch_up: bool = False) -> None:
         """A checkpoint was recorded: send it on to the workspace's standbys (in the
-        background: the agent that reported it is answered at once)."""
+        background: the agent that reported it is answered at once).
+
+        ``catch_up``: a pass sends the latest checkpoint to a standby that lacks it.
+        Not to one with a send under way (what it sends may be newer; the next pass
+        looks again), nor to one whose last stage failed lately."""
         recorded = time.perf_counter()
         targets = await asyncio.to_thread(self._targets, workspace_id)
+        now = time.monotonic()
         for host_id, url in targets:
             sync = self._syncs.get((workspace_id, host_id))
+            if catch_up and (
+                    (sync is not None and sync.task is not None and not sync.task.done())
+                    or self._stage_backoff.get((workspace_id, host_id), (0, 0.0))[1] > now):
+                continue
             if sync is None or sync.generation != generation:
                 sync = self._syncs[(workspace_id, host_id)] = _Sync(generation)
             sync.waiting[kernel_id] = (key, cell, recorded)
@@ -287,9 +316,22 @@ class StandbyKeeper:
             except DomainError as exc:
                 log.info("standby of %s on %s not synced: %s", workspace_id, host_id,
                          exc.detail)
+                _note(self._stage_backoff, (workspace_id, host_id), False)
                 continue
+            _note(self._stage_backoff, (workspace_id, host_id), True)
             STANDBY_SYNC.observe(time.perf_counter() - recorded)
             await asyncio.to_thread(self._record, workspace_id, host_id, None, state, False)
+
+
+def _note(backoff: dict[tuple[str, str], tuple[int, float]], pair: tuple[str, str],
+          worked: bool) -> None:
+    """Record a try at a standby: a failure waits 2, 4, 8... s (at most
+    :data:`BACKOFF_MAX_S`) before the next; a success clears it."""
+    if worked:
+        backoff.pop(pair, None)
+        return
+    failures = backoff.get(pair, (0, 0.0))[0] + 1
+    backoff[pair] = (failures, time.monotonic() + min(BACKOFF_MAX_S, 2.0 ** failures))
 
 
 def _generation(ws: Workspace) -> int:

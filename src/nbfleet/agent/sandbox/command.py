@@ -87,9 +87,10 @@ class Sandbox:
         else:
             # The host's /dev, bound read-only, would be nodev (every device node,
             # /dev/null included, refused): a /dev of its own, with the GPUs given.
-            # A PID namespace of its own ties the sandbox to the agent: the uid
-            # switch clears the inner bubblewrap's parent-death signal, and its
-            # processes outlived a kill -9 of the agent. The namespace's init dies
+            # A PID namespace of its own ties the sandbox to the agent: behind the
+            # uid switch the inner bubblewrap's --die-with-parent did not fire (its
+            # processes outlived a kill -9 of the agent; without the switch they
+            # did not, measured with bubblewrap 0.8). The namespace's init dies
             # with the outer one (--die-with-parent), and the kernel then ends every
             # process in it. /proc stays the host's: the inner one mounts its own.
             outer = [self.bwrap, "--unshare-pid", "--ro-bind", "/", "/",
