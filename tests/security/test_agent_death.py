@@ -23,6 +23,7 @@ import pytest
 from tests.conftest import fresh_database
 from tests.support.cluster import Cluster, wait_until
 from tests.support.hostile import (
+    NEEDS_BWRAP,
     PROLOGUE,
     descendants,
     kernel_host_pids,
@@ -31,8 +32,7 @@ from tests.support.hostile import (
 )
 
 pytestmark = [
-    pytest.mark.skipif(shutil.which("bwrap") is None,
-                       reason="bubblewrap is not installed (.ci/run installs it)"),
+    NEEDS_BWRAP,
     # The metadata DB is incidental: the PostgreSQL pass need not repeat it.
     pytest.mark.no_db,
     pytest.mark.timeout(180),

@@ -33,6 +33,7 @@ from tests.support.hostile import (
     DISK_LIMIT_MIB,
     IDENTITY,
     LIMIT_ARGS,
+    NEEDS_BWRAP,
     PIDS_LIMIT,
     SYSCALLS,
     TAMPER,
@@ -52,8 +53,7 @@ from tests.support.hostile import (
 )
 
 pytestmark = [
-    pytest.mark.skipif(shutil.which("bwrap") is None,
-                       reason="bubblewrap is not installed (.ci/run installs it)"),
+    NEEDS_BWRAP,
     # The metadata DB is incidental here: the sandbox is the same on either, so the
     # PostgreSQL pass need not repeat these.
     pytest.mark.no_db,

@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import pwd
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
@@ -25,6 +26,10 @@ import httpx
 import pytest
 
 from tests.support.cluster import Cluster, create_running, run_cell, start_kernel
+
+#: For tests of the sandbox itself: skipped where bubblewrap is missing.
+NEEDS_BWRAP = pytest.mark.skipif(shutil.which("bwrap") is None,
+                                 reason="bubblewrap is not installed (.ci/run installs it)")
 
 #: Limits the hostile cluster runs with: small, so the bombs hit them quickly.
 MEMORY_LIMIT = "384MiB"
