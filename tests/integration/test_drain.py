@@ -6,6 +6,7 @@ this module also runs on PostgreSQL."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import subprocess
@@ -18,8 +19,10 @@ import pytest
 from sqlalchemy import select
 
 from nbfleet.db.tables import Workspace
-from tests.conftest import running_cluster
+from nbfleet.sdk.kernel_socket import KernelSocket
+from tests.conftest import fresh_database, running_cluster
 from tests.integration.test_cli import nbfleet
+from tests.integration.test_gpu_cells import fleet, funded, gpu_workspace
 from tests.support.cluster import (
     Cluster,
     agent_names,
@@ -28,7 +31,9 @@ from tests.support.cluster import (
     resume,
     run_cell,
     start_kernel,
+    token_of,
     wait_state,
+    wait_until,
 )
 from tests.support.credit_api import query
 
@@ -90,6 +95,65 @@ def test_drain_moves_a_workspace_with_its_variables_and_keeps_new_ones_off(
         assert not _host(cluster, a)["draining"]
         later = create_running(client, "after-undrain")
         assert client.get(f"/v1/workspaces/{later}").json()["host_id"] == a
+
+
+#: Holds the workspace's GPU while the drain starts; appends to a file once per run.
+LONG_GPU_CELL = ("import time\ntime.sleep(4)\nx = 41\n"
+                 "open('runs.txt', 'a').write('ran\\n')")
+
+
+async def _drain_mid_cell(cluster: Cluster, client: httpx.Client, ws: str, kernel: str,
+                          host: str) -> dict[str, Any]:
+    """Drain ``host`` while a GPU cell runs there: the cell's reply, and what the
+    next cell prints once the workspace runs elsewhere."""
+    sock = await KernelSocket.connect(cluster.channels_url(ws, kernel), token_of(client))
+    try:
+        cell = sock.message("execute_request", {
+            "code": LONG_GPU_CELL, "silent": False, "store_history": True,
+            "user_expressions": {}, "allow_stdin": False, "stop_on_error": True}, "shell")
+        await sock.send(cell)
+        await asyncio.to_thread(wait_until, lambda: fleet(cluster)["running"], 30, 0.05,
+                                "the cell holding its GPU")
+        drained = await asyncio.to_thread(
+            cluster.admin().post, f"/v1/admin/hosts/{host}/drain")
+        assert drained.status_code in (200, 202), drained.text
+        done = await sock.collect(cell["header"]["msg_id"], timeout=60)
+        await asyncio.to_thread(
+            wait_until, lambda: (body := client.get(f"/v1/workspaces/{ws}").json())[
+                "state"] == "running" and body["host_id"] != host, 90, 0.2,
+            "the workspace running on the other host")
+        after = await sock.execute("print(x + 1, open('runs.txt').read().count('ran'))",
+                                   timeout=120)
+        return {"cell": done.reply, "after": after.stdout if after.status == "ok"
+                else after.reply}
+    finally:
+        await sock.close()
+
+
+def test_a_gpu_drain_lets_the_running_cell_finish_and_moves_its_state(
+        tmp_path: Path) -> None:
+    """The cell holding the host's GPU ends as it would have (a suspend waits for a
+    running cell), is not run again, and the next cell finds its variable and its
+    file on the other host."""
+    with fresh_database(tmp_path) as url:
+        cluster = Cluster(tmp_path, url, gpus="1xA100-80GB")
+        try:
+            cluster.start_control()
+            cluster.start_agent("a1")
+            cluster.start_agent("a2")
+            client = funded(cluster)
+            ws, kernel = gpu_workspace(client, "drained-gpu")
+            host = client.get(f"/v1/workspaces/{ws}").json()["host_id"]
+            result = asyncio.run(_drain_mid_cell(cluster, client, ws, kernel, host))
+            assert result["cell"]["status"] == "ok", result
+            assert result["after"] == "42 1\n", result
+            wait_until(lambda: _host(cluster, host)["kernels"] == 0, 30, 0.2,
+                       "the drained host empty")
+            assert _agent_kernels(cluster, host) == []
+            assert (_host(cluster, host)["moved"], _host(cluster, host)["suspended"]) == (1, 0)
+            assert not fleet(cluster)["running"]  # the cell's GPU was given back
+        finally:
+            cluster.stop()
 
 
 def test_a_drain_with_nowhere_to_go_suspends_with_state(tmp_path: Path) -> None:
