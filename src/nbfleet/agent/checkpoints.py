@@ -44,7 +44,6 @@ from prometheus_client import Counter, Histogram
 from nbfleet.agent import statesync
 from nbfleet.agent.kernel_process import KernelProcess
 from nbfleet.protocol.checkpoints import CheckpointRecorded
-from nbfleet.storage import beneath
 from nbfleet.storage.blobs import BlobStore
 
 log = logging.getLogger(__name__)
@@ -337,16 +336,12 @@ def _read_mark(state_dir: str) -> dict[str, Any] | None:
 
 
 def _kernel_json(state_dir: str, name: str, limit: int) -> dict[str, Any] | None:
-    """A JSON object the kernel wrote in its state directory (it owns the file: read
-    through a checked descriptor, bounded); None if missing, too large or not one."""
+    """A JSON object the kernel wrote in its state directory; None if missing, too
+    large or not one (``statesync.read_kernel_json``)."""
     try:
-        with beneath.directory(state_dir) as folder, \
-                beneath.open_regular(folder, name) as opened:
-            raw = beneath.read_fd(opened[0], limit) if opened else None
-        body = json.loads(raw) if raw is not None else None
-    except (OSError, ValueError, RecursionError):
+        return statesync.read_kernel_json(state_dir, name, limit, name)
+    except (OSError, ValueError):
         return None
-    return body if isinstance(body, dict) else None
 
 
 def _count(reply: dict[str, Any]) -> int:

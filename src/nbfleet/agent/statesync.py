@@ -273,19 +273,27 @@ def _read_report(state_dir: str) -> dict[str, Any]:
 
 
 def read_raw_report(state_dir: str) -> dict[str, Any]:
-    """What the kernel wrote about its restore (it owns the file: read it through a
-    checked descriptor, bounded). ValueError if it is not a report at all."""
+    """What the kernel wrote about its restore. ValueError if it is not a report at
+    all."""
+    return read_kernel_json(state_dir, "restore-report.json", REPORT_LIMIT,
+                            "the restore report")
+
+
+def read_kernel_json(state_dir: str, name: str, limit: int, what: str) -> dict[str, Any]:
+    """A JSON object the kernel wrote in its state directory (it owns the file: read
+    through a checked descriptor, bounded). ValueError, naming ``what``, if it is
+    missing, too large or not a JSON object."""
     with beneath.directory(state_dir) as folder, \
-            beneath.open_regular(folder, "restore-report.json") as opened:
-        raw = beneath.read_fd(opened[0], REPORT_LIMIT) if opened else None
+            beneath.open_regular(folder, name) as opened:
+        raw = beneath.read_fd(opened[0], limit) if opened else None
     if raw is None:
-        raise ValueError("the restore report is missing or too large")
+        raise ValueError(f"{what} is missing or too large")
     try:
         body = json.loads(raw)
     except RecursionError:  # nested past the parser's stack: not a ValueError
-        raise ValueError("the restore report is nested too deeply") from None
+        raise ValueError(f"{what} is nested too deeply") from None
     if not isinstance(body, dict):
-        raise ValueError("the restore report is not a JSON object")
+        raise ValueError(f"{what} is not a JSON object")
     return body
 
 
