@@ -21,7 +21,6 @@ import logging
 from collections.abc import Coroutine, Iterable, Set
 from typing import TYPE_CHECKING, Any
 
-from nbfleet.control.drain import Homes, empty_host
 from nbfleet.control.fleet.provider import HostProvider, HostState
 from nbfleet.control.fleet.scheduler import LiveScheduler
 
@@ -102,16 +101,13 @@ class Scaler:
         deadline = asyncio.get_running_loop().time() + DRAIN_TIMEOUT_S
         while asyncio.get_running_loop().time() < deadline:
             fleet = self.platform.fleet
-            if fleet.token is None:
+            left = await fleet.send_away(host_id, fleet.scheduler)
+            if left is None:
                 log.info("no longer in charge: host %s is left to the replica that is",
                          host_id)
                 return
-            homes = Homes.of(fleet.scheduler, host_id)
-            left = await asyncio.to_thread(empty_host, self.platform.db, host_id, homes,
-                                           fleet.token, self.platform.config.agent_timeout_s)
             if left == 0:
                 break
-            self.platform.wake()
             await asyncio.sleep(0.5)
         else:
             log.warning("host %s did not empty within %.0f s; releasing it anyway",

@@ -250,12 +250,21 @@ class FleetService:
             lost = scheduler.host_lost(host_id)
             log.info("host %s is draining: out of the model (%d cells running there)",
                      host_id, len(lost))
-        if alive and self.token is not None:
-            left = await asyncio.to_thread(empty_host, self.platform.db, host_id,
-                                          Homes.of(scheduler, host_id), self.token,
-                                          self.platform.config.agent_timeout_s)
-            if left:
-                self.platform.wake()
+        if alive:
+            await self.send_away(host_id, scheduler)
+
+    async def send_away(self, host_id: str, scheduler: LiveScheduler | None) -> int | None:
+        """Ask every workspace on a leaving host (an admin's drain, an autoscaler's
+        release) to go, under this replica's lease: how many are still there; None
+        when this replica is not in charge (``drain.empty_host``)."""
+        if self.token is None:
+            return None
+        left = await asyncio.to_thread(empty_host, self.platform.db, host_id,
+                                       Homes.of(scheduler, host_id), self.token,
+                                       self.platform.config.agent_timeout_s)
+        if left:
+            self.platform.wake()
+        return left
 
     async def _fit_to_fleet(self, scheduler: LiveScheduler,
                             alive: Sequence[facts.HostFact]) -> None:
