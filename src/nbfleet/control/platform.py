@@ -21,6 +21,7 @@ from nbfleet.model.jobs import RetryRules, parse_tiers
 from nbfleet.model.pricing import parse_prices
 from nbfleet.storage.blobs import BlobStore
 from nbfleet.storage.files import WorkspaceFiles
+from nbfleet.web.browser import SECURE_COOKIES_DEFAULT
 
 T = TypeVar("T")
 
@@ -46,6 +47,9 @@ class ControlConfig:
     #: where they are counted: "memory://" per replica, "redis://…" across replicas.
     rate_limit: str = "100/second;3000/minute"
     rate_limit_storage: str = "memory://"
+    #: Browser cookies' ``Secure`` flag: "auto" (when the request came over https,
+    #: as uvicorn reads it) or "always" (behind a TLS proxy; ``web.browser``).
+    secure_cookies: str = SECURE_COOKIES_DEFAULT
     #: GPU jobs: priority tiers, prices (credits per GPU-hour by type), and the
     #: rest of ``JobSettings``.
     job_tiers: str = "free=0,paid=10"

@@ -3,9 +3,10 @@
 A browser signs in once with an API token and from then on carries two cookies:
 
 - ``nbfleet_session``: 256 random bits, HttpOnly (page scripts never see it),
-  SameSite=Lax, Secure over https. Only its SHA-256 is stored (``web_sessions``), so
-  a copy of the database signs nobody in; the secret is high-entropy, so an unsalted
-  fast hash is enough, and the per-request check is one lookup on a unique index.
+  SameSite=Lax, Secure over https or always (``--secure-cookies``). Only its
+  SHA-256 is stored (``web_sessions``), so a copy of the database signs nobody in;
+  the secret is high-entropy, so an unsalted fast hash is enough, and the
+  per-request check is one lookup on a unique index.
 - ``_xsrf``: HMAC-SHA256(cluster secret, session secret), readable by scripts. A
   cookie-authenticated request that changes anything must send it back in the
   ``X-XSRFToken`` header (what JupyterLab's frontend does with a cookie of this

@@ -15,7 +15,6 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from urllib.parse import parse_qs
 
 import anyio.to_thread
 from limits import RateLimitItem, parse_many
@@ -121,11 +120,10 @@ def token_key(token: str) -> str:
 
 
 def caller_key(scope: Scope) -> str:
-    """The SHA-256 of the caller's token (header, else ``?token=``), else its address."""
+    """The SHA-256 of the caller's token (its ``Authorization`` header), else its
+    address. Not ``?token=``: the HTTP API refuses tokens in URLs, so one names no
+    caller (and a new one in each request must not buy a fresh window)."""
     token = bearer_token(Headers(scope=scope).get("authorization"))
-    if token is None:
-        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
-        token = (query.get("token") or [None])[0]
     if token:
         return token_key(token)
     client = scope.get("client")

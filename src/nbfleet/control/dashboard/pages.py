@@ -118,6 +118,8 @@ class Viewer:
 def _viewer(request: Request, form_xsrf: str | None = None) -> Viewer:
     try:
         principal = deps.principal_of(request, form_xsrf)
+    except deps.TokenInUrl:
+        raise  # an error page that says so, not a sign-in that would drop it silently
     except Unauthorized as exc:
         raise SignInRequired from exc
     platform = deps.platform_of(request)

@@ -78,10 +78,6 @@ def _limiter(request: Request) -> _Limiter:
     return limiter
 
 
-def _secure(request: Request) -> bool:
-    return request.url.scheme == "https"
-
-
 def _form(request: Request, next_url: str, status: int = 200, error: str | None = None,
           notice: str | None = None, headers: dict[str, str] | None = None) -> HTMLResponse:
     """The sign-in page with a fresh login CSRF cookie and field."""
@@ -89,7 +85,7 @@ def _form(request: Request, next_url: str, status: int = 200, error: str | None 
     response = render(request, None, "login.html", status, title="Sign in", nonce=nonce,
                       next_url=next_url, error=error, notice=notice)
     response.set_cookie(LOGIN_COOKIE, nonce, max_age=3600, path=LOGIN_COOKIE_PATH,
-                        secure=_secure(request), httponly=True, samesite="strict")
+                        secure=deps.cookies_secure(request), httponly=True, samesite="strict")
     response.headers.update(headers or {})
     return response
 
@@ -144,9 +140,10 @@ async def login(request: Request) -> Response:
     started = await asyncio.to_thread(websessions.start, platform.db, platform.config.secret,
                                       principal.user_id)
     response = redirect(target)
-    websessions.set_cookies(response, started, _secure(request),
+    secure = deps.cookies_secure(request)
+    websessions.set_cookies(response, started, secure,
                             int(websessions.SESSION_TTL.total_seconds()))
-    response.delete_cookie(LOGIN_COOKIE, path=LOGIN_COOKIE_PATH, secure=_secure(request),
+    response.delete_cookie(LOGIN_COOKIE, path=LOGIN_COOKIE_PATH, secure=secure,
                            httponly=True, samesite="strict")
     return response
 
@@ -168,5 +165,5 @@ async def logout(request: Request) -> Response:
             raise Forbidden(websessions.XSRF_REFUSED)
         await asyncio.to_thread(websessions.revoke, platform.db, secret)
     response = redirect("/ui/login?done=signed-out")
-    websessions.clear_cookies(response, _secure(request))
+    websessions.clear_cookies(response, deps.cookies_secure(request))
     return response

@@ -80,7 +80,8 @@ def _file(root: Path, relative: str) -> FileResponse:
     target = (base / relative).resolve()
     if not relative or not target.is_relative_to(base) or not target.is_file():
         raise NotFound(f"no such file: {relative}")
-    return FileResponse(target, headers={"Cache-Control": "public, max-age=86400"})
+    return FileResponse(target, headers={"Cache-Control": "public, max-age=86400",
+                                         "X-Content-Type-Options": "nosniff"})
 
 
 @router.get(STATIC_URL + "/{path:path}")

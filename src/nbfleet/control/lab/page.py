@@ -24,7 +24,7 @@ from sqlalchemy import select
 from nbfleet import __version__
 from nbfleet.control import websessions, workspaces
 from nbfleet.control.auth import Principal
-from nbfleet.control.deps import current_principal, platform_of
+from nbfleet.control.deps import cookies_secure, platform_of, principal_of
 from nbfleet.control.lab import userstate
 from nbfleet.control.lab.assets import (
     EXTENSIONS_PATH,
@@ -39,6 +39,7 @@ from nbfleet.db.tables import User
 from nbfleet.model.errors import InvalidInput, Unauthorized
 from nbfleet.model.workspace import DesiredState, WorkspaceState
 from nbfleet.web.bodies import json_object
+from nbfleet.web.browser import LAB_HEADERS
 
 router = APIRouter()
 
@@ -144,10 +145,12 @@ def to_lab(workspace_id: str) -> RedirectResponse:
 async def lab(workspace_id: str, request: Request, rest: str = "") -> Response:
     """Signed out: off to sign in, and back here after. A token in the URL (as
     Jupyter's token login) signs the browser in with a session cookie and is
-    dropped from the address: Lab opens its WebSockets with cookies only."""
+    dropped from the address: Lab opens its WebSockets with cookies only. The page
+    goes out with ``LAB_HEADERS`` (its Content-Security-Policy, no framing by other
+    sites)."""
     platform = platform_of(request)
     try:
-        principal = await asyncio.to_thread(current_principal, request)
+        principal = await asyncio.to_thread(principal_of, request, None, True)
     except Unauthorized:
         target = quote(request.url.path, safe="/")
         return RedirectResponse(f"{SIGN_IN_URL}?next={target}", status_code=303)
@@ -162,8 +165,7 @@ async def lab(workspace_id: str, request: Request, rest: str = "") -> Response:
     if resuming:
         html = html.replace("<body", "<body data-nbfleet-resuming", 1)
         html = html.replace("</body>", _banner(workspace_id, name) + "</body>", 1)
-    return HTMLResponse(html, headers={"Cache-Control": "no-store",
-                                       "Referrer-Policy": "same-origin"})
+    return HTMLResponse(html, headers=LAB_HEADERS)
 
 
 async def _sign_in_here(request: Request, principal: Principal) -> Response:
@@ -171,7 +173,7 @@ async def _sign_in_here(request: Request, principal: Principal) -> Response:
     started = await asyncio.to_thread(websessions.start, platform.db, platform.config.secret,
                                       principal.user_id)
     response = RedirectResponse(quote(request.url.path, safe="/"), status_code=303)
-    websessions.set_cookies(response, started, secure=request.url.scheme == "https",
+    websessions.set_cookies(response, started, secure=cookies_secure(request),
                             max_age=int(websessions.SESSION_TTL.total_seconds()))
     return response
 
