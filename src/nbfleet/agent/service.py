@@ -25,6 +25,7 @@ from nbfleet.agent.jobs import JobRunner
 from nbfleet.agent.livesync import DEFAULT_AGENT_TIMEOUT_S, Lease
 from nbfleet.agent.runtimes import RuntimeManager
 from nbfleet.agent.sandbox import open_isolation
+from nbfleet.agent.sandbox.quota import remove_leftovers
 from nbfleet.model.limits import Limits
 from nbfleet.model.resources import HostInventory, parse_gpu_spec
 from nbfleet.protocol.agent import (
@@ -269,12 +270,13 @@ class AgentService:
                 log.critical("cannot use the blob store the control plane named: %s", exc)
                 raise
             files = WorkspaceFiles(blobs)
-            # Whatever a previous boot left here belonged to kernels that are gone.
-            shutil.rmtree(self.sockets_dir, ignore_errors=True)
+            # Whatever a previous boot left here belonged to kernels that are gone,
+            # mounts included (a kill -9 unmounts nothing).
             runtimes_dir = os.path.join(self.state_dir, "runtimes")
+            for leftover in (self.sockets_dir, runtimes_dir):
+                remove_leftovers(leftover)
             if self.isolation.quotas is not None:
-                self.isolation.quotas.sweep(runtimes_dir)
-            shutil.rmtree(runtimes_dir, ignore_errors=True)
+                self.isolation.quotas.sweep()
             os.makedirs(self.sockets_dir, mode=0o700)
             self.runtimes = RuntimeManager(
                 self.state_dir, files, self.sockets_dir,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 from pathlib import Path
 
@@ -179,7 +178,7 @@ def up(
 ) -> None:
     """Run the whole platform on this machine: control plane + one agent, SQLite, local blobs."""
     from nbfleet.agent.service import AgentConfig
-    from nbfleet.cli.servers import agent_server, configure_logging, serve_all
+    from nbfleet.cli.servers import agent_server, configure_logging, run_servers
 
     private_process()  # embedded mode keeps its own secret in the home
     configure_logging(log_level)
@@ -214,7 +213,7 @@ def up(
         agent_sock, log_level,
     )
     banner(url, token, state)
-    asyncio.run(serve_all([control, agent]))
+    run_servers([control, agent])
     console.print("nbfleet stopped.")
 
 
@@ -261,8 +260,7 @@ def control(
     from nbfleet.cli.servers import (
         configure_logging,
         release_db,
-        run_fast,
-        serve_all,
+        run_servers,
         serve_forked,
     )
 
@@ -294,7 +292,7 @@ def control(
                                                   log_level, lifecycle)
     banner(url, token, state)
     if workers == 1:
-        run_fast(serve_all([serving]))
+        run_servers([serving], fast=True)
         return
     release_db(serving)  # no pooled connection may cross a fork
     serve_forked(another, workers)
@@ -330,7 +328,7 @@ def agent(
 ) -> None:
     """Run one agent (host) that registers with a control plane."""
     from nbfleet.agent.service import AgentConfig
-    from nbfleet.cli.servers import agent_server, configure_logging, serve_all
+    from nbfleet.cli.servers import agent_server, configure_logging, run_servers
 
     from_env = private_process()
     configure_logging(log_level)
@@ -355,7 +353,7 @@ def agent(
                     cell_checkpoints=cell_checkpoints, drain_timeout_s=drain_timeout),
         sock, log_level, drain_on_stop=True,
     )
-    asyncio.run(serve_all([serving]))
+    run_servers([serving])
 
 
 if __name__ == "__main__":

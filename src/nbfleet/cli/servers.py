@@ -9,7 +9,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, cast
@@ -20,6 +20,7 @@ from fastapi import FastAPI
 from nbfleet.agent.app import create_agent_app
 from nbfleet.agent.service import AgentConfig, AgentService
 from nbfleet.cli.listen import url_of
+from nbfleet.web.browser import redact_server_logs
 
 
 class _Server(uvicorn.Server):
@@ -28,6 +29,16 @@ class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn ends a failed start-up with ``sys.exit``: raised inside a task,
+        SystemExit escapes the event loop itself, which then never stops anyio's
+        worker threads, and the process hangs on exit with its port still open.
+        Here a failed start-up only ends this server; :func:`serve_all` says why."""
+        try:
+            await super().startup(sockets)
+        except SystemExit:
+            self.should_exit = True
 
 
 #: How long an idle keep-alive connection stays open. Longer than the clients' own
@@ -38,7 +49,9 @@ KEEP_ALIVE_S = 65
 
 
 def uvicorn_config(app: FastAPI, log_level: str, **kwargs: object) -> uvicorn.Config:
-    return uvicorn.Config(
+    """uvicorn's settings; its logs never show a credential from a URL (``?token=``,
+    a channel ticket: ``web.browser.redact_server_logs``)."""
+    config = uvicorn.Config(
         app,
         log_level=log_level,
         timeout_keep_alive=KEEP_ALIVE_S,
@@ -47,6 +60,13 @@ def uvicorn_config(app: FastAPI, log_level: str, **kwargs: object) -> uvicorn.Co
         lifespan="on",
         **kwargs,  # type: ignore[arg-type]
     )
+    redact_server_logs()  # after Config, which (re)configures uvicorn's loggers
+    return config
+
+
+class StartupFailed(RuntimeError):
+    """A server's start-up raised: the process must exit, not go on holding a port
+    that nothing answers."""
 
 
 @dataclass
@@ -56,6 +76,27 @@ class Serving:
     #: Run at the first SIGTERM/SIGINT before the server stops (an agent's drain);
     #: a second signal cuts it short.
     before_stop: Callable[[], Coroutine[Any, Any, None]] | None = None
+    name: str = "server"
+    #: Why its start-up failed (uvicorn logs the traceback and keeps only a flag).
+    startup_error: str | None = None
+
+    def __post_init__(self) -> None:
+        app = cast(FastAPI, self.server.config.app)
+        inner = app.router.lifespan_context
+
+        @contextlib.asynccontextmanager
+        async def noting_failure(app_: Any) -> AsyncIterator[Any]:
+            started = False
+            try:
+                async with inner(app_) as state:
+                    started = True
+                    yield state
+            except Exception as exc:
+                if not started:
+                    self.startup_error = f"{type(exc).__name__}: {exc}"
+                raise
+
+        app.router.lifespan_context = noting_failure
 
 
 def agent_server(config: AgentConfig, sock: socket.socket, log_level: str,
@@ -79,7 +120,7 @@ def agent_server(config: AgentConfig, sock: socket.socket, log_level: str,
         config.advertise_url = url_of(sock)
     app = create_agent_app(service)
     return Serving(_Server(uvicorn_config(app, log_level)), sock,
-                   service.drain if drain_on_stop else None)
+                   service.drain if drain_on_stop else None, name="agent")
 
 
 def run_fast(main: Coroutine[Any, Any, None]) -> None:
@@ -153,6 +194,22 @@ def serve_forked(build: Callable[[], Serving], workers: int) -> None:
             spawn()
 
 
+def run_servers(servings: list[Serving], fast: bool = False) -> None:
+    """Serve until stopped (``fast``: on uvloop, see :func:`run_fast`); a start-up
+    that fails ends the process with status 1 and the reason on stderr."""
+    import typer
+    from rich.console import Console
+
+    try:
+        if fast:
+            run_fast(serve_all(servings))
+        else:
+            asyncio.run(serve_all(servings))
+    except StartupFailed as exc:
+        Console(stderr=True).print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1) from exc
+
+
 #: Threads for blocking calls (``asyncio.to_thread``): DB transactions, blob and file
 #: copies, slot set-up. They mostly wait (on disk, on SQLite's write lock), so the
 #: default (CPUs + 4) let a burst of 32 resumes queue behind each other's waits.
@@ -172,8 +229,11 @@ async def serve_all(servings: list[Serving]) -> None:
             tasks.append(asyncio.create_task(serving.server.serve(sockets=[serving.sock])))
             while not serving.server.started:
                 if tasks[-1].done():
-                    await tasks[-1]  # surfaces the start-up error
-                    raise SystemExit(1)
+                    await tasks[-1]  # surfaces an error uvicorn did not catch
+                    # A plain exception, not SystemExit: the loop then ends as usual,
+                    # so its worker threads stop and the process can exit.
+                    raise StartupFailed(f"the {serving.name} could not start: "
+                                        f"{serving.startup_error or 'see the log above'}")
                 await asyncio.sleep(0.05)
         stopper = asyncio.create_task(stop.wait())
         await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)

@@ -181,9 +181,11 @@ def control_server(home: Path, db: str | None, blobs: str | None, secret: str,
     write_secret(str(home / "url"), url)
 
     def another() -> Serving:
-        return Serving(_Server(uvicorn_config(create_app(config), log_level)), sock)
+        return Serving(_Server(uvicorn_config(create_app(config), log_level)), sock,
+                       name="control plane")
 
-    return Serving(_Server(uvicorn_config(control_app, log_level)), sock), url, token, another
+    return (Serving(_Server(uvicorn_config(control_app, log_level)), sock,
+                    name="control plane"), url, token, another)
 
 
 def banner(url: str, token: str, home: Path) -> None:

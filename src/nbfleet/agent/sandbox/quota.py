@@ -75,6 +75,38 @@ def mounts_under(directory: str) -> list[str]:
     return sorted(found, key=len, reverse=True)
 
 
+class LeftoversRemain(RuntimeError):
+    """What a killed agent left could not be removed: starting over it would fail
+    later, and less clearly."""
+
+
+def remove_leftovers(directory: str) -> None:
+    """Remove ``directory``, a previous boot's, with whatever is mounted below it
+    (its slots' disks and socket tmpfs, which a ``kill -9`` leaves mounted).
+
+    Only this agent's own directories are passed here, never a pattern: what is
+    unmounted is what lies below them. Raises :class:`LeftoversRemain` naming what
+    stayed, instead of leaving a tree that the next ``mkdir`` trips over.
+    """
+    for point in mounts_under(directory):
+        unmount(point)
+    still = mounts_under(directory)
+    if still:
+        raise LeftoversRemain(
+            f"cannot unmount what a previous run left under {directory}: {', '.join(still)}"
+            " (unmount it by hand, or run the agent as the user that mounted it)")
+    if not os.path.lexists(directory):
+        return
+    try:
+        if os.path.isdir(directory) and not os.path.islink(directory):
+            shutil.rmtree(directory)
+        else:
+            os.unlink(directory)
+    except OSError as exc:
+        raise LeftoversRemain(f"cannot remove what a previous run left at {directory}: "
+                              f"{exc.strerror or exc} ({exc.filename or directory})") from exc
+
+
 class DiskQuotas:
     def __init__(self, images_dir: str, reserve_bytes: int = DEFAULT_RESERVE_BYTES) -> None:
         self.images_dir = images_dir
@@ -135,10 +167,9 @@ class DiskQuotas:
              "nosuid,nodev,noexec", "tmpfs", mountpoint)
         return True
 
-    def sweep(self, runtimes_dir: str) -> None:
-        """Unmount and delete what a previous boot of this agent left behind."""
-        for point in mounts_under(runtimes_dir):
-            unmount(point)
+    def sweep(self) -> None:
+        """Delete the disk images a previous boot of this agent left behind (their
+        mounts are gone with :func:`remove_leftovers`)."""
         if os.path.isdir(self.images_dir):
             for entry in os.scandir(self.images_dir):
                 if entry.name.endswith(".img"):
