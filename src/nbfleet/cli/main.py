@@ -44,6 +44,7 @@ from nbfleet.cli.startup import (
     private_home,
     private_process,
 )
+from nbfleet.web.browser import SECURE_COOKIES, SECURE_COOKIES_DEFAULT
 
 # The server stack (FastAPI, SQLAlchemy, jupyter_client) is imported inside the
 # server commands only, so client commands like `nbfleet ws list` start fast.
@@ -112,6 +113,20 @@ RATE_STORAGE_OPT = typer.Option(
          "(shared by all control-plane replicas)",
 )
 
+
+def _secure_cookies(value: str) -> str:
+    if value not in SECURE_COOKIES:
+        raise typer.BadParameter(f"must be one of {', '.join(SECURE_COOKIES)}")
+    return value
+
+
+SECURE_COOKIES_OPT = typer.Option(
+    SECURE_COOKIES_DEFAULT, "--secure-cookies", envvar="NBFLEET_SECURE_COOKIES",
+    callback=_secure_cookies,
+    help="Mark browser cookies Secure: 'auto' when the request came over https (as "
+         "X-Forwarded-Proto says from a proxy in FORWARDED_ALLOW_IPS, default loopback), "
+         "'always' behind any other TLS-terminating proxy")
+
 TIERS_OPT = typer.Option("free=0,paid=10", "--job-tiers",
                          help="Job priority tiers, NAME=PRIORITY; higher goes first")
 PRICES_OPT = typer.Option("default=1", "--gpu-prices",
@@ -155,6 +170,7 @@ def up(
     credit_reap_interval: float = CREDIT_REAP_OPT,
     rate_limit: str = RATE_LIMIT_OPT,
     rate_limit_storage: str = RATE_STORAGE_OPT,
+    secure_cookies: str = SECURE_COOKIES_OPT,
     job_tiers: str = TIERS_OPT,
     gpu_prices: str = PRICES_OPT,
     job_heartbeat_timeout: float = JOB_HEARTBEAT_TIMEOUT_OPT,
@@ -190,7 +206,7 @@ def up(
                  "suspend_busy_timeout_s": suspend_busy_timeout,
                  "cull_interval_s": cull_interval, "rate_limit": rate_limit,
                  "credit_reap_interval_s": credit_reap_interval,
-                 "rate_limit_storage": rate_limit_storage,
+                 "rate_limit_storage": rate_limit_storage, "secure_cookies": secure_cookies,
                  **job_options(job_tiers, gpu_prices, job_heartbeat_timeout, job_kill_grace,
                                 job_result_retention, job_retry_backoff,
                                 job_dispatch_interval),
@@ -234,6 +250,7 @@ def control(
     credit_reap_interval: float = CREDIT_REAP_OPT,
     rate_limit: str = RATE_LIMIT_OPT,
     rate_limit_storage: str = RATE_STORAGE_OPT,
+    secure_cookies: str = SECURE_COOKIES_OPT,
     job_tiers: str = TIERS_OPT,
     gpu_prices: str = PRICES_OPT,
     job_heartbeat_timeout: float = JOB_HEARTBEAT_TIMEOUT_OPT,
@@ -272,7 +289,7 @@ def control(
                  "suspend_busy_timeout_s": suspend_busy_timeout,
                  "cull_interval_s": cull_interval, "rate_limit": rate_limit,
                  "credit_reap_interval_s": credit_reap_interval,
-                 "rate_limit_storage": rate_limit_storage,
+                 "rate_limit_storage": rate_limit_storage, "secure_cookies": secure_cookies,
                  **job_options(job_tiers, gpu_prices, job_heartbeat_timeout, job_kill_grace,
                                 job_result_retention, job_retry_backoff,
                                 job_dispatch_interval),
