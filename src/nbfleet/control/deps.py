@@ -25,9 +25,9 @@ def platform_of(request: Request) -> Platform:
 #: The query parameter in which Jupyter clients put a token where they cannot send
 #: a header: a browser's WebSocket, and Jupyter's token login link.
 URL_TOKEN = "token"
-TOKEN_IN_URL = ("a token in the URL (?token=) is accepted only by kernel WebSockets and "
-                "to open JupyterLab (/w/{id}/lab), as URLs end up in logs and browser "
-                "history: send it in the 'Authorization: Bearer <token>' header")
+TOKEN_IN_URL = ("a token in the URL (?token=) is accepted only by WebSockets (kernel "
+                "channels) and to open JupyterLab (/w/{id}/lab), as URLs end up in logs "
+                "and browser history: send it in the 'Authorization: Bearer <token>' header")
 
 
 class TokenInUrl(Unauthorized):
