@@ -185,7 +185,14 @@ def test_a_failing_canary_rolls_back_automatically(fleet: Cluster) -> None:
         response = user.client.post("/v1/jobs", json=body, headers=key())
         assert response.status_code == 202, response.text
         routed.append(response.json())
-    wait_all(user.client, [j["id"] for j in routed])
+    finals = wait_all(user.client, [j["id"] for j in routed])
+    # The canary's crashes cost its jobs nothing: each was retried on stable with
+    # its one attempt intact, and succeeded.
+    assert {j["state"] for j in finals.values()} == {"succeeded"}
+    for job in (j for j in routed if j["version"] == "2.0"):
+        tries = user.client.get(f"/v1/jobs/{job['id']}").json()["attempts"]
+        assert [(a["binary_version"], a["outcome"]) for a in tries] == [
+            ("2.0", "crash"), ("1.0", "succeeded")]
 
     def rolled_back() -> dict[str, Any] | None:
         rows = user.client.get("/v1/binaries", params={"name": "gen"}).json()["items"]
@@ -194,6 +201,11 @@ def test_a_failing_canary_rolls_back_automatically(fleet: Cluster) -> None:
 
     v2 = wait_until(rolled_back, 30, what="the canary's rollback")
     assert v2["binary_failures"] >= 3 and "rolled back automatically" in v2["reason"]
+    for _ in range(2):  # rolling back again, or retrying the request, changes nothing
+        again = fleet.admin().post("/v1/admin/binaries/gen/2.0/rollback")
+        assert again.status_code == 200, again.text
+        assert (again.json()["state"], again.json()["reason"], again.json()[
+            "jobs_moved_to_stable"]) == ("rolled_back", v2["reason"], 0)
     later = [user.client.post("/v1/jobs", json=body, headers=key()).json() for _ in range(20)]
     assert {j["version"] for j in later} == {"1.0"}
     pinned = user.client.post("/v1/jobs", json={**body, "version": "2.0"}, headers=key())

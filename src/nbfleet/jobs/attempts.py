@@ -28,6 +28,7 @@ from nbfleet.db.job_tables import GpuAllocation, Job, JobAttempt, QuarantinedInp
 from nbfleet.db.tables import Agent
 from nbfleet.jobs import binaries
 from nbfleet.jobs.admission import notify, reserve_attempt
+from nbfleet.jobs.binaries import ROLLED_BACK
 from nbfleet.jobs.events import transition
 from nbfleet.jobs.settings import JobSettings
 from nbfleet.ledger import audit, holds, metering
@@ -40,6 +41,7 @@ from nbfleet.model.jobs import (
     Next,
     Outcome,
     after_attempt,
+    charge,
     classify,
 )
 from nbfleet.policy.fairness import decayed
@@ -214,7 +216,12 @@ def end(session: Session, job: Job, row: JobAttempt, outcome: Outcome, settings:
     session.execute(delete(GpuAllocation).where(GpuAllocation.job_id == job.id,
                                                 GpuAllocation.attempt == row.attempt))
     JOB_ATTEMPTS.labels(outcome).inc()
-    history = [AttemptEnd(Outcome(str(r.outcome)), r.host_id) for r in session.execute(
+    # Whose each attempt is depends on its version's rollout state now: a canary's
+    # failure is the platform's until the canary is promoted, for good once it is
+    # rolled back (``model.jobs.charge``).
+    rollout = binaries.states(session, job.binary)
+    stable = binaries.stable_version(rollout)
+    history = [_history(r, job.pinned, rollout, stable is not None) for r in session.execute(
         select(JobAttempt).where(JobAttempt.job_id == job.id, JobAttempt.state == ENDED)
         .order_by(JobAttempt.attempt)).scalars()]
     verdict = after_attempt(history, job.max_attempts, cancel_requested=job.cancel_requested,
@@ -235,10 +242,25 @@ def end(session: Session, job: Job, row: JobAttempt, outcome: Outcome, settings:
             job.avoid_hosts = [*job.avoid_hosts, row.host_id]
         job.next_attempt_at = now + timedelta(seconds=verdict.delay_s) if verdict.delay_s \
             else None
-        requeue(session, job, f"attempt {row.attempt}: {verdict.reason}", settings, now)
+        reason = f"attempt {row.attempt}: {verdict.reason}"
+        # An unpinned job never runs a rolled-back version again, whatever ended
+        # its attempt (a preemption, a lost host); and a canary's failure falls
+        # back to stable.
+        if stable is not None and stable != job.version and not job.pinned and (
+                verdict.next == Next.FALL_BACK or rollout.get(job.version) == ROLLED_BACK):
+            reason += f" ({job.binary} {job.version} -> {stable})"
+            binaries.move_to(job, stable, now)
+        requeue(session, job, reason, settings, now)
     binaries.record_attempt(session, job.binary, row.binary_version, BLAME[outcome], now)
     _charge_tenant(session, job.project_id, row.gpu_ms / 1000.0, settings, now)
     notify(session)
+
+
+def _history(row: JobAttempt, pinned: bool, rollout: dict[str, str],
+             has_stable: bool) -> AttemptEnd:
+    outcome = Outcome(str(row.outcome))
+    return AttemptEnd(outcome, row.host_id,
+                      charge(outcome, pinned, rollout.get(row.binary_version), has_stable))
 
 
 def finish_job(session: Session, job: Job, state: JobState, reason: str,

@@ -5,8 +5,10 @@ unpinned job goes to the canary when ``model.jobs.routes_to_canary`` says so (a
 stable hash of its id against ``canary_percent``), otherwise to stable. Each ended
 attempt of a canary counts towards its failure rate, binary failures apart from
 infrastructure ones; past the threshold the canary is rolled back: it stops
-taking new jobs, and unpinned jobs routed to it that have not started yet move to
-the stable version. Jobs pinned to a version keep it, rolled back or not.
+taking new jobs, and the unpinned jobs queued on it (whether they ran before or
+not) move to the stable version. Jobs pinned to a version keep it, rolled back or
+not. What a canary's failure costs the job it failed is ``model.jobs.charge``'s
+rule; ``jobs.attempts.end`` applies it with ``states`` and ``move_to``.
 """
 
 from __future__ import annotations
@@ -16,20 +18,29 @@ from collections.abc import Collection, Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from nbfleet.db.ids import new_id
 from nbfleet.db.job_tables import BinaryVersion, Job
 from nbfleet.db.queries import among
+from nbfleet.jobs.events import transition
 from nbfleet.model.errors import Conflict, InvalidInput, NotFound
-from nbfleet.model.jobs import Blame, CanaryRule, JobState, routes_to_canary, should_roll_back
+from nbfleet.model.jobs import (
+    Blame,
+    CanaryRule,
+    JobState,
+    VersionState,
+    input_fingerprint,
+    routes_to_canary,
+    should_roll_back,
+)
 from nbfleet.web.render import iso
 
-STABLE = "stable"
-CANARY = "canary"
-ROLLED_BACK = "rolled_back"
-RETIRED = "retired"
+STABLE = VersionState.STABLE
+CANARY = VersionState.CANARY
+ROLLED_BACK = VersionState.ROLLED_BACK
+RETIRED = VersionState.RETIRED
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,99}$")
 _VERSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,49}$")
@@ -164,26 +175,82 @@ def promote(session: Session, name: str, version: str, now: datetime) -> BinaryV
 
 
 def roll_back(session: Session, row: BinaryVersion, reason: str, now: datetime) -> int:
-    """Stop routing to a canary and move its unstarted unpinned jobs to stable.
+    """Stop routing to a canary and move its queued unpinned jobs to stable, each
+    with an event row; returns how many moved. The caller holds the version row's
+    lock.
 
-    Returns how many queued jobs moved. The caller holds the version row's lock.
+    Every queued one moves, not only those that never ran: a job waiting for its
+    retry after an infrastructure failure or a preemption must not run a version
+    that was rolled back. Idempotent: rolling back a version already rolled back
+    (a retried request, an admin after the automatic rollback) keeps its state and
+    first reason, and moves only what is still queued on it (nothing, but for a
+    job that raced the first rollback).
     """
-    if row.state != CANARY:
+    if row.state not in (CANARY, ROLLED_BACK):
         raise Conflict(f"{row.name} {row.version} is {row.state}, not a canary")
-    row.state = ROLLED_BACK
-    row.canary_percent = 0
-    row.reason = reason
-    row.updated_at = now
+    if row.state == CANARY:
+        row.state = ROLLED_BACK
+        row.canary_percent = 0
+        row.reason = reason
+        row.updated_at = now
     stable = next((r for r in versions(session, row.name) if r.state == STABLE), None)
     if stable is None:
         return 0
-    moved = session.execute(
-        update(Job)
-        .where(Job.binary == row.name, Job.version == row.version, Job.pinned.is_(False),
-               Job.state == JobState.QUEUED, Job.attempt == 0)
-        .values(version=stable.version, updated_at=now)
-    )
-    return int(getattr(moved, "rowcount", 0) or 0)
+    # SKIP LOCKED: a job another transaction holds (a cancel, which then waits for
+    # the ledger this transaction may hold) is not waited for under the version's
+    # lock; the dispatcher moves it when it claims it (``leave_rolled_back``).
+    queued = session.execute(
+        select(Job).where(Job.binary == row.name, Job.version == row.version,
+                          Job.pinned.is_(False), Job.state == JobState.QUEUED)
+        .order_by(Job.id).with_for_update(skip_locked=True)
+        .execution_options(populate_existing=True)
+    ).scalars().all()
+    for job in queued:
+        _fall_back(session, job, row.version, stable.version, now)
+    return len(queued)
+
+
+def _fall_back(session: Session, job: Job, old: str, stable: str, now: datetime) -> None:
+    move_to(job, stable, now)
+    transition(session, job, JobState.QUEUED, now,
+               f"moved to {job.binary} {stable}: {old} was rolled back")
+
+
+def leave_rolled_back(session: Session, job: Job, rollout: dict[str, str],
+                      now: datetime) -> None:
+    """An unpinned queued job on a rolled-back version moves to stable before it
+    starts (one a rollback's sweep skipped, or that raced it)."""
+    stable = stable_version(rollout)
+    if not job.pinned and rollout.get(job.version) == ROLLED_BACK and stable is not None:
+        _fall_back(session, job, job.version, stable, now)
+
+
+def states_of(session: Session, names: Collection[str]) -> dict[str, dict[str, str]]:
+    """Each version of each name and its rollout state. Columns, not rows: a later
+    locked read of a version (``record_attempt``) must not find a stale copy in
+    the session."""
+    found: dict[str, dict[str, str]] = {name: {} for name in names}
+    for name, version, state in session.execute(
+            select(BinaryVersion.name, BinaryVersion.version, BinaryVersion.state)
+            .where(among(session, BinaryVersion.name, sorted(names)))):
+        found[name][version] = state
+    return found
+
+
+def states(session: Session, name: str) -> dict[str, str]:
+    return states_of(session, [name])[name]
+
+
+def stable_version(rollout: dict[str, str]) -> str | None:
+    return next((version for version, state in rollout.items() if state == STABLE), None)
+
+
+def move_to(job: Job, version: str, now: datetime) -> None:
+    """Run an unpinned job's next attempt on ``version``. Its input's fingerprint
+    names the version, so the quarantine records the version that failed it."""
+    job.version = version
+    job.fingerprint = input_fingerprint(job.project_id, job.binary, version, job.args)
+    job.updated_at = now
 
 
 def record_attempt(session: Session, name: str, version: str, blame: Blame,

@@ -22,6 +22,7 @@ from sqlalchemy.orm import Session
 
 from nbfleet.db.job_tables import BinaryVersion, GpuAllocation, Job, JobAttempt, TenantUsage
 from nbfleet.db.tables import Agent, Project
+from nbfleet.jobs import binaries
 from nbfleet.jobs.admission import gpu_groups
 from nbfleet.jobs.attempts import SCHEDULED, WORKER
 from nbfleet.jobs.events import transition
@@ -156,6 +157,9 @@ def claim(session: Session, starts: Sequence[tuple[PendingJob, Placement]], flee
         select(Job).where(Job.id.in_(sorted(planned)), Job.state == JobState.QUEUED)
         .order_by(Job.id).with_for_update(skip_locked=True)
         .execution_options(populate_existing=True)).scalars())
+    rollout = binaries.states_of(session, {job.binary for job in jobs})
+    for job in jobs:
+        binaries.leave_rolled_back(session, job, rollout[job.binary], now)
     commands = _commands(session, {(job.binary, job.version) for job in jobs})
     orders: list[StartOrder] = []
     prices: dict[str, tuple[str, int]] = {}

@@ -9,6 +9,12 @@ the poison-input quarantine and a canary's failure rate; an attempt that ended
 through a fault of the *infrastructure* (a lost host, a launch failure) is retried
 on another host without charging the job or the binary for it, up to a separate
 cap, so killing an agent never dead-letters a healthy job.
+
+A third party can be at fault: the rollout. A binary failure of an unpinned job
+on a canary (the platform chose that version for it) is not charged to the job
+while the canary is live, and never once the canary is rolled back; the job is
+retried at once on the stable version. It becomes the job's only if the canary
+is promoted (``charge``).
 """
 
 from __future__ import annotations
@@ -105,12 +111,54 @@ def classify(exit_code: int | None, signal: int | None, killed_for: str | None,
     return Outcome.CRASH
 
 
+class VersionState(StrEnum):
+    """A binary version's place in its rollout."""
+
+    STABLE = "stable"
+    CANARY = "canary"
+    ROLLED_BACK = "rolled_back"
+    RETIRED = "retired"
+
+
+class Charge(StrEnum):
+    """Whose an ended attempt is, as ``max_attempts`` and the quarantine count it."""
+
+    JOB = "job"
+    #: A binary failure on a live canary the job was routed to: not counted unless
+    #: the canary is promoted.
+    CANARY = "canary"
+    #: A binary failure on a canary that was rolled back: never counted.
+    ROLLED_BACK = "rolled_back"
+
+
+def charge(outcome: Outcome, pinned: bool, version: VersionState | str | None,
+           has_stable: bool) -> Charge:
+    """Who pays for an ended attempt with the attempts budget, given the state its
+    version is in *now* (so a promotion or a rollback decides it after the fact).
+
+    Only binary failures of unpinned jobs are ever taken off the job: a pinned job
+    chose its version, and infrastructure failures have their own cap. A version
+    is a canary or rolled back only if it was a canary when the attempt ran (a
+    stable version is never made a canary), so the state now says where it ran.
+    With no stable version to fall back to, the failure is the job's: a retry
+    would run the same version again.
+    """
+    if pinned or not has_stable or BLAME[outcome] != Blame.BINARY:
+        return Charge.JOB
+    if version == VersionState.CANARY:
+        return Charge.CANARY
+    if version == VersionState.ROLLED_BACK:
+        return Charge.ROLLED_BACK
+    return Charge.JOB
+
+
 @dataclass(frozen=True, slots=True)
 class AttemptEnd:
     """One finished attempt, as the next-step rule sees it."""
 
     outcome: Outcome
     host_id: str | None
+    charge: Charge = Charge.JOB
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +182,7 @@ class Next(StrEnum):
     DONE = "done"           # terminal; the state says which
     RETRY = "retry"         # back to the queue after a backoff
     REQUEUE = "requeue"     # back to the queue now (preempted)
+    FALL_BACK = "fall_back"  # back to the queue now, on the stable version (a canary failed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,19 +209,22 @@ def retry_delay_s(failures: int, rules: RetryRules, jitter: float) -> float:
 
 
 def counts(history: Iterable[AttemptEnd]) -> tuple[int, int]:
-    """(binary failures, infrastructure failures) in an attempt history."""
+    """(binary failures, infrastructure failures) in an attempt history. Failures
+    the rollout is charged with are neither."""
     binary = infra = 0
     for end in history:
         blame = BLAME[end.outcome]
-        binary += blame == Blame.BINARY
+        binary += blame == Blame.BINARY and end.charge == Charge.JOB
         infra += blame == Blame.INFRA
     return binary, infra
 
 
 def poison_hosts(history: Iterable[AttemptEnd]) -> set[str]:
-    """The distinct hosts on which the binary failed this input."""
+    """The distinct hosts on which the binary failed this input (on a version the
+    job is charged for: a crashing canary says nothing about the input)."""
     return {end.host_id for end in history
-            if BLAME[end.outcome] == Blame.BINARY and end.host_id is not None}
+            if BLAME[end.outcome] == Blame.BINARY and end.charge == Charge.JOB
+            and end.host_id is not None}
 
 
 def after_attempt(history: Sequence[AttemptEnd], max_attempts: int, *,
@@ -188,6 +240,11 @@ def after_attempt(history: Sequence[AttemptEnd], max_attempts: int, *,
         return Verdict(Next.DONE, JobState.CANCELLED, "cancelled")
     if outcome == Outcome.PREEMPTED:
         return Verdict(Next.REQUEUE, JobState.QUEUED, "preempted")
+    if last.charge != Charge.JOB:
+        # Checked before the timeout: a canary that runs slower is the canary's fault.
+        where = "a canary" if last.charge == Charge.CANARY else "a rolled-back canary"
+        return Verdict(Next.FALL_BACK, JobState.QUEUED,
+                       f"{outcome} on {where}, not counted: retried on the stable version")
     if outcome == Outcome.TIMED_OUT:
         return Verdict(Next.DONE, JobState.TIMED_OUT, f"ran past its timeout (attempt "
                        f"{len(history)})")

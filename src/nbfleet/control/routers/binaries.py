@@ -81,6 +81,8 @@ def promote(name: str, version: str, request: Request,
 @router.post("/v1/admin/binaries/{name}/{version}/rollback", summary="Roll a canary back")
 def rollback(name: str, version: str, request: Request,
              _: Principal = Depends(require_admin)) -> dict[str, Any]:
+    """Idempotent: a version already rolled back (by hand or automatically) answers
+    200 with its state and first reason unchanged."""
     db = platform_of(request).db
     with db.transaction() as session:
         row = binaries.get(session, name, version, for_update=True)
