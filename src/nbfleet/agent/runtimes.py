@@ -365,9 +365,12 @@ class RuntimeManager:
                 return None
             notes = [note for kernel in runtime.kernels.values()
                      if (note := await statesync.quiesce(kernel, options))]
-            flushed = [k for k in runtime.kernels.values() if await statesync.flush(k)]
             try:
+                flushed = [k for k in runtime.kernels.values() if await statesync.flush(k)]
                 saved = await asyncio.to_thread(self._save, runtime, flushed)
+            except statesync.FlushFailed as exc:
+                raise SuspendFailed(f"could not save the workspace: {exc}"[:1000],
+                                    runtime="kept") from exc
             except Exception as exc:
                 log.warning("suspend of %s failed: %r", workspace_id, exc)
                 raise SuspendFailed(f"could not save the workspace: {exc!r}"[:1000],

@@ -11,6 +11,12 @@ Layout of a slot::
     root/home       $HOME
     root/packages   the workspace's package layer: on sys.path, and pip's target
     root/state/K    kernel K's captured state (``nbfleet.kernel``)
+
+With disk quotas (a root agent) the slot's root is a filesystem of the workspace's
+disk limit, and the state lives on a second one, ``root/statefs/state/K``, sized
+from the host's memory (``quota.state_disk_bytes``): a suspend never fails because
+the user's files filled their quota. The agent stages downloads in ``root/statefs``
+(its own, read-only in the sandbox), on the same filesystem as the state it replaces.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from nbfleet.agent.sandbox import Isolation, Sandbox
 from nbfleet.agent.sandbox.cgroups import Cgroup
 from nbfleet.agent.sandbox.egress import Netns
 from nbfleet.agent.sandbox.identity import Identities, Identity, hand_over
-from nbfleet.agent.sandbox.quota import Disk, unmount
+from nbfleet.agent.sandbox.quota import Disk, state_disk_bytes, unmount
 from nbfleet.model.limits import Limits, format_size
 from nbfleet.protocol.kernel_env import allowed_kernel_env
 
@@ -74,6 +80,8 @@ class Slot:
     identity: Identity | None = None
     cgroup: Cgroup | None = None
     disk: Disk | None = None
+    #: The filesystem the kernels' state is written to (with ``disk``).
+    state_disk: Disk | None = None
     limits: Limits = field(default_factory=Limits)
     identities: Identities | None = None
     #: A tmpfs mounted on the socket directory (root agents with quotas).
@@ -106,6 +114,12 @@ class Slot:
             # view, nor replace its connection file, between two starts.
             os.makedirs(slot.root, exist_ok=True)
             os.chmod(slot.root, 0o755)
+            if slot.disk is not None:
+                assert isolation.quotas is not None
+                statefs = os.path.join(slot.root, "statefs")
+                slot.state_disk = isolation.quotas.create(f"{name}-state", statefs,
+                                                          state_disk_bytes(), sparse=True)
+                os.chmod(statefs, 0o755)
             for path in (*slot.owned, slot.sockets):
                 os.makedirs(path, exist_ok=True)
             os.chmod(slot.sockets, 0o755)
@@ -139,8 +153,14 @@ class Slot:
         return os.path.join(self.root, "packages")
 
     @property
+    def stage(self) -> str:
+        """Where the agent stages a kernel's state before renaming it into place:
+        the agent's directory on the state's filesystem."""
+        return os.path.join(self.root, "statefs") if self.state_disk else self.root
+
+    @property
     def state(self) -> str:
-        return os.path.join(self.root, "state")
+        return os.path.join(self.stage, "state")
 
     @property
     def ipc(self) -> str:
@@ -198,8 +218,9 @@ class Slot:
             self.netns.remove()
         if self.ipc_mount:
             unmount(self.ipc)
-        if self.disk is not None:
-            self.disk.remove()
+        for disk in (self.state_disk, self.disk):  # the state's is mounted in the other
+            if disk is not None:
+                disk.remove()
         if self.cgroup is not None:
             self.cgroup.remove()
         shutil.rmtree(self.root, ignore_errors=True)
@@ -256,6 +277,6 @@ def new_kernel(slot: Slot, kernel_id: str, workspace_id: str, name: str,
                            netns=slot.netns.path if slot.netns else None,
                            devices=slot.devices)
     kernel.state_dir = state_dir if extra else None
-    kernel.staging_root = slot.root
+    kernel.staging_root = slot.stage
     kernel.death_reason = slot.death_reason
     return kernel

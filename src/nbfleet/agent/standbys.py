@@ -216,7 +216,7 @@ class Standbys:
             if old.report is None:
                 await self._load(standby, kernel_id, old)
             return
-        directory = os.path.join(standby.slot.root,
+        directory = os.path.join(standby.slot.stage,
                                  f".standby-{kernel_id[:12]}-{secrets.token_hex(4)}")
         os.mkdir(directory, 0o700)
         try:

@@ -95,17 +95,27 @@ async def run_internal(kernel: KernelProcess, code: str, timeout_s: float) -> No
         raise KernelFailed(f"{reply.get('ename', 'error')}: {reply.get('evalue', '')}"[:500])
 
 
+class FlushFailed(Exception):
+    """A kernel holds state and could not write it: saving without it would lose
+    every variable while the suspend said it succeeded."""
+
+
 async def flush(kernel: KernelProcess) -> bool:
-    """Have the kernel write its state to its state directory; False if it cannot."""
+    """Have the kernel write its state to its state directory. False: it has none
+    to write (not an IPython kernel, or its process died); :class:`FlushFailed`
+    when it could not write what it holds."""
     if kernel.state_dir is None or kernel.execution_state == "dead":
         return False
     try:
         await run_internal(kernel, FLUSH, FLUSH_TIMEOUT_S)
     except (KernelFailed, TimeoutError) as exc:
-        log.warning("kernel %s could not flush its state: %s", kernel.id, exc)
-        return False
+        why = str(exc) or f"it did not answer within {FLUSH_TIMEOUT_S:.0f} s"
+        log.warning("kernel %s could not flush its state: %s", kernel.id, why)
+        raise FlushFailed(f"kernel {kernel.id} could not write its variables: {why}") from exc
     manifest = os.path.join(kernel.state_dir, "manifest.json")
-    return await asyncio.to_thread(os.path.exists, manifest)
+    if not await asyncio.to_thread(os.path.exists, manifest):
+        raise FlushFailed(f"kernel {kernel.id} wrote no state")
+    return True
 
 
 def upload(store: BlobStore, workspace_id: str, kernel: KernelProcess,

@@ -29,6 +29,17 @@ log = logging.getLogger(__name__)
 #: Free space a slot may never take from the platform's own disk.
 DEFAULT_RESERVE_BYTES = 1 << 30
 _MKFS = ("-q", "-F", "-m", "0", "-E", "nodiscard,lazy_itable_init=1,lazy_journal_init=1")
+#: A state filesystem holds a few large files (a manifest, content-addressed blobs).
+_SPARSE_MKFS = ("-i", str(1 << 20))
+
+
+def state_disk_bytes() -> int:
+    """The size of a slot's state filesystem, where its kernels write the state a
+    suspend, a move or a checkpoint saves. That state is the kernels' memory
+    pickled, so no limit on the workspace's files may refuse it: it is sized from
+    the host's memory (twice over, for the previous snapshot beside the new), and
+    sparse, so it costs the host only what is written."""
+    return 2 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") + (256 << 20)
 
 
 class QuotasUnavailable(RuntimeError):
@@ -133,32 +144,43 @@ class DiskQuotas:
                 os.rmdir(probe)
         return quotas
 
-    def create(self, name: str, mountpoint: str, size: int) -> Disk:
-        """A fresh filesystem of ``size`` bytes mounted at ``mountpoint``."""
+    def create(self, name: str, mountpoint: str, size: int, sparse: bool = False) -> Disk:
+        """A fresh filesystem of ``size`` bytes mounted at ``mountpoint``.
+
+        ``sparse``: nothing is reserved up front; the image takes host disk only as
+        it is written (a kernel's state staging: :func:`state_disk_bytes`)."""
         image = os.path.join(self.images_dir, f"{name}.img")
         os.makedirs(mountpoint, exist_ok=True)
         disk = Disk(image, mountpoint, size)
         try:
             with self._reserving:  # two slots never both count the same free space
-                free = shutil.disk_usage(self.images_dir).free
-                if free - size < self.reserve_bytes:
-                    raise Conflict(
-                        f"this host cannot reserve {format_size(size)} of disk for a "
-                        f"workspace: {format_size(free)} free, and "
-                        f"{format_size(self.reserve_bytes)} stay reserved for the platform")
                 fd = os.open(image, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
                 try:
-                    os.posix_fallocate(fd, 0, size)
+                    if sparse:
+                        os.ftruncate(fd, size)
+                    else:
+                        self._reserve(fd, size)
                 finally:
                     os.close(fd)
-            _run("mkfs.ext4", *_MKFS, image)
-            _run("mount", "-o", "loop,nosuid,nodev,noatime", image, mountpoint)
+            _run("mkfs.ext4", *_MKFS, *(_SPARSE_MKFS if sparse else ()), image)
+            # noinit_itable: ext4 would otherwise zero every inode table in the
+            # background after the mount, writing a sparse image out for nothing.
+            _run("mount", "-o", "loop,nosuid,nodev,noatime,noinit_itable", image, mountpoint)
         except BaseException:
             disk.remove()
             raise
         with contextlib.suppress(OSError):
             os.rmdir(os.path.join(mountpoint, "lost+found"))
         return disk
+
+    def _reserve(self, fd: int, size: int) -> None:
+        free = shutil.disk_usage(self.images_dir).free
+        if free - size < self.reserve_bytes:
+            raise Conflict(
+                f"this host cannot reserve {format_size(size)} of disk for a "
+                f"workspace: {format_size(free)} free, and "
+                f"{format_size(self.reserve_bytes)} stay reserved for the platform")
+        os.posix_fallocate(fd, 0, size)
 
     def small_tmpfs(self, mountpoint: str, uid: int, size: str = "1m") -> bool:
         """A tiny tmpfs owned by ``uid`` at ``mountpoint`` (a socket directory)."""
