@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 import tempfile
 import uuid
@@ -185,6 +186,80 @@ def test_buffered_output_survives_a_connection_closed_at_once(shared_cluster: Cl
             await sock.close()
 
     assert "while away\n" in asyncio.run(scenario())
+
+
+def _peak_rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmHWM")
+
+
+def _output_while_away(cluster: Cluster, code: str) -> tuple[list[str], dict[str, Any], float]:
+    """Run ``code`` with nobody connected once it started; then connect again and
+    collect its output. Also: how much the agent's peak memory grew meanwhile (MiB)."""
+    client = cluster.new_user()
+    ws = create_running(client)
+    kernel = start_kernel(client, ws)
+    url, token = cluster.channels_url(ws, kernel), token_of(client)
+    agent_pid = cluster.agents["agent1"].pid
+
+    async def scenario() -> tuple[list[str], dict[str, Any]]:
+        sock = await KernelSocket.connect(url, token)
+        request = sock.message("execute_request", execute_content(code), "shell")
+        await sock.send(request)
+        while (await sock.receive())["msg_type"] != "execute_input":
+            pass
+        await sock.close()
+        async with httpx.AsyncClient(base_url=cluster.url, headers={
+                "Authorization": f"token {token}"}) as api:
+            for _ in range(240):  # until the cell is done, with nobody connected
+                await asyncio.sleep(0.5)
+                state = (await api.get(f"/v1/workspaces/{ws}/api/kernels/{kernel}")).json()
+                if state["execution_state"] == "idle":
+                    break
+        sock = await KernelSocket.connect(url, token)
+        try:
+            result = await sock.collect(request["header"]["msg_id"], timeout=60)
+        finally:
+            await sock.close()
+        return ([o["content"]["text"] for o in result.outputs if o["msg_type"] == "stream"],
+                result.reply or {})
+
+    before = _peak_rss_kib(agent_pid)
+    texts, reply = asyncio.run(scenario())
+    return texts, reply, (_peak_rss_kib(agent_pid) - before) / 1024
+
+
+def test_output_printed_with_no_client_is_kept_up_to_the_bound_and_the_rest_is_said(
+        shared_cluster: Cluster) -> None:
+    """40 MiB printed while nobody is connected (1 MiB every 0.2 s): the agent keeps
+    the newest 16 MiB (--output-buffer), and the next client is told first, in the
+    cell's output, how much was dropped; then it gets the rest and the reply."""
+    texts, reply, _ = _output_while_away(shared_cluster, (
+        "import sys, time\ntime.sleep(1.5)\n"
+        "for _ in range(40):\n    sys.stdout.write('x' * ((1 << 20) - 1) + '\\n')\n"
+        "    time.sleep(0.2)\nprint('the end')"))
+    assert reply.get("status") == "ok", reply
+    assert "were dropped while no client was connected" in texts[0], texts[0][:300]
+    dropped = re.search(r"\] ([0-9.]+) MiB of output \((\d+) messages\)", texts[0])
+    assert dropped is not None and float(dropped[1]) >= 20, texts[0]
+    assert texts[-1].endswith("the end\n")
+    assert 12 << 20 < sum(len(text) for text in texts[1:]) <= 16 << 20
+
+
+def test_a_flood_of_output_costs_the_agent_little_memory(shared_cluster: Cluster) -> None:
+    """256 MiB printed in a blink with nobody connected: the kernel sends at most
+    2 MiB of each flush (and says what it cut), so the agent never holds the flood:
+    before, it held all of it, and its peak grew by twice the output."""
+    texts, reply, grown_mib = _output_while_away(shared_cluster, (
+        "import sys, time\ntime.sleep(1.5)\nline = 'x' * 65535 + '\\n'\n"
+        "for _ in range(4096):\n    sys.stdout.write(line)\nprint('the end')"))
+    assert reply.get("status") == "ok", reply
+    assert any(re.match(r"\[nbfleet\] [0-9.]+ MiB of output were cut here", t)
+               for t in texts), [t[:100] for t in texts]
+    assert "".join(texts).endswith("the end\n")
+    assert grown_mib < 64, f"the agent's peak memory grew {grown_mib:.0f} MiB"
 
 
 # ----------------------------------------------------------------- restarts

@@ -13,7 +13,8 @@ from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response, WebSo
 from prometheus_client import Gauge
 
 from nbfleet.agent.jobs import JobSpec
-from nbfleet.agent.kernel_process import Client, KernelProcess
+from nbfleet.agent.kernel_process import KernelProcess
+from nbfleet.agent.output import Client
 from nbfleet.agent.service import AgentService
 from nbfleet.agent.statesync import SuspendOptions
 from nbfleet.agent.wire import V1_PROTOCOL, WireError, parse_client_frame
@@ -267,7 +268,7 @@ async def relay(websocket: WebSocket, kernel: KernelProcess, protocol: str | Non
 
 async def _drain(websocket: WebSocket, client: Client) -> None:
     while True:
-        message = await client.queue.get()
+        message = await client.take()
         if message is None:
             with contextlib.suppress(Exception):
                 await websocket.close()

@@ -15,7 +15,7 @@ import logging
 import os
 import subprocess
 import uuid
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -25,6 +25,14 @@ import zmq.asyncio
 from jupyter_client.manager import AsyncKernelManager
 
 from nbfleet.agent.bindings import KernelBindings
+from nbfleet.agent.output import (
+    DEFAULT_OUTPUT_BUFFER_BYTES,
+    Backlog,
+    Client,
+    agent_header,
+    agent_message,
+    jupyter_time,
+)
 from nbfleet.agent.sandbox import Sandbox
 from nbfleet.agent.sandbox.cgroups import Cgroup
 from nbfleet.agent.sandbox.identity import Identity, hand_over
@@ -35,11 +43,11 @@ from nbfleet.protocol.kernel_env import allowed_kernel_env
 log = logging.getLogger(__name__)
 
 CHANNELS = ("shell", "control", "stdin", "iopub")
-BUFFER_LIMIT = 10_000
 REQUESTER_LIMIT = 10_000
+#: The largest message the agent takes from a kernel (at least; see max_message_bytes).
+MAX_MESSAGE_BYTES = 64 << 20
 INTERNAL_LIMIT = 1_000
 _REPLY_SEEN, _IDLE_SEEN = 1, 2
-CLIENT_QUEUE_LIMIT = 10_000
 READY_TIMEOUT_S = 60.0
 HELD_LIMIT = 1000
 #: A connection that stays open this long (or sends a request) has "stayed": what it
@@ -50,56 +58,6 @@ CONFIRM_AFTER_S = 1.0
 #: What every client sends as it connects, even one about to leave (JupyterLab asks
 #: for kernel info on each socket it opens): these do not show that it stayed.
 PROBES = frozenset({"kernel_info_request", "comm_info_request"})
-
-
-def jupyter_time(moment: datetime) -> str:
-    """The timestamp format jupyter_server's models use."""
-    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
-def _agent_header(msg_type: str) -> dict[str, str]:
-    return {
-        "msg_id": uuid.uuid4().hex,
-        "msg_type": msg_type,
-        "session": "nbfleet-agent",
-        "username": "nbfleet",
-        "date": jupyter_time(datetime.now(UTC)),
-        "version": "5.3",
-    }
-
-
-class Client:
-    """One attached WebSocket: a bounded queue drained by the connection's writer.
-
-    ``protocol`` is the WebSocket subprotocol it negotiated (None for legacy JSON);
-    each message is rendered in it only when the writer sends it.
-    """
-
-    def __init__(self, protocol: str | None = None) -> None:
-        self.protocol = protocol
-        self.queue: asyncio.Queue[KernelMessage | None] = asyncio.Queue(CLIENT_QUEUE_LIMIT)
-        self.closed = False
-        #: False until the connection sends a request (not a mere probe) or stays
-        #: CONFIRM_AFTER_S open.
-        self.confirmed = False
-        #: Confirms it after CONFIRM_AFTER_S (cancelled when it closes first).
-        self.confirm_timer: asyncio.TimerHandle | None = None
-
-    def offer(self, message: KernelMessage) -> None:
-        try:
-            self.queue.put_nowait(message)
-        except asyncio.QueueFull:
-            log.warning("dropping a client that stopped reading")
-            self.close()
-
-    def close(self) -> None:
-        if self.confirm_timer is not None:
-            self.confirm_timer.cancel()
-            self.confirm_timer = None
-        if not self.closed:
-            self.closed = True
-            with contextlib.suppress(asyncio.QueueFull):
-                self.queue.put_nowait(None)
 
 
 class SandboxedKernelManager(AsyncKernelManager):
@@ -150,10 +108,12 @@ class KernelProcess:
         cgroup: Cgroup | None = None,
         netns: str | None = None,
         devices: tuple[str, ...] = (),
+        output_buffer_bytes: int = DEFAULT_OUTPUT_BUFFER_BYTES,
     ) -> None:
         """``connection_dir`` holds the kernel's IPC sockets: keep its path short
         (a socket path must fit in 107 bytes). ``visible`` lists the directories,
-        besides the working directory and ``connection_dir``, the sandbox exposes."""
+        besides the working directory and ``connection_dir``, the sandbox exposes.
+        ``output_buffer_bytes``: the output kept for a client (``agent.output``)."""
         self.id = kernel_id
         self.workspace_id = workspace_id
         self.name = name
@@ -162,11 +122,13 @@ class KernelProcess:
         self.execution_state = "starting"
         self.last_activity = datetime.now(UTC)
         self.clients: set[Client] = set()
-        self._buffer: deque[KernelMessage] = deque(maxlen=BUFFER_LIMIT)
-        #: Messages only connections that have not stayed yet were handed (the
-        #: buffer, and output while only such connections were attached): back to
-        #: the buffer if they all leave without staying.
-        self._unconfirmed: deque[KernelMessage] = deque(maxlen=BUFFER_LIMIT)
+        self.output_buffer_bytes = output_buffer_bytes
+        #: The largest message accepted from the kernel.
+        self.max_message_bytes = max(MAX_MESSAGE_BYTES, 4 * output_buffer_bytes)
+        #: What no connection that stayed has seen yet: output while no client was
+        #: connected, or while only connections that have not stayed yet were (each
+        #: new connection is handed all of it; one that stays takes it for good).
+        self._backlog = Backlog(output_buffer_bytes)
         #: msg_id -> the client awaiting its reply. Bounded: comm messages get no reply.
         self._requesters: OrderedDict[str, Client] = OrderedDict()
         #: The agent's own requests, kept until both their shell reply and their
@@ -250,6 +212,10 @@ class KernelProcess:
             kind = zmq.SUB if channel == "iopub" else zmq.DEALER
             sock = context.socket(kind)
             sock.linger = 0
+            # A kernel is user code: one giant message would sit whole in the
+            # agent's memory. Past this ZeroMQ drops the connection (and reconnects)
+            # instead; nbfleet.kernel.streams keeps printed output well below it.
+            sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
             if channel in ("shell", "stdin"):
                 sock.setsockopt(zmq.IDENTITY, self._identity)
             if channel == "iopub":
@@ -299,7 +265,7 @@ class KernelProcess:
 
     def _send_internal(self, msg_type: str, content: dict[str, Any] | None = None) -> str:
         assert self.codec is not None
-        header = _agent_header(msg_type)
+        header = agent_header(msg_type)
         self._internal[header["msg_id"]] = 0
         while len(self._internal) > INTERNAL_LIMIT:  # idles that never came
             del self._internal[next(iter(self._internal))]
@@ -466,13 +432,14 @@ class KernelProcess:
         """A new connection gets what no connection that stayed has seen yet: the
         buffer, and what connections that have not stayed yet were handed. It
         counts as having seen them once it stays (see :meth:`confirm`)."""
-        client = Client(protocol)
-        for message in self._unconfirmed:  # no await in here: nothing can interleave
+        # Room for the backlog it is handed (the bound, and the notice) and as much
+        # again of what comes after, before a client that does not read is dropped.
+        client = Client(protocol, 2 * self.output_buffer_bytes)
+        notice = self._backlog.notice()
+        if notice is not None:
+            client.offer(notice)
+        for message in self._backlog:  # no await in here: nothing can interleave
             client.offer(message)
-        while self._buffer:
-            message = self._buffer.popleft()
-            client.offer(message)
-            self._unconfirmed.append(message)
         self.clients.add(client)
         with contextlib.suppress(RuntimeError):  # no running loop: confirmed by a frame
             client.confirm_timer = asyncio.get_running_loop().call_later(
@@ -487,16 +454,12 @@ class KernelProcess:
         if client.confirmed or client not in self.clients:
             return
         client.confirmed = True
-        self._unconfirmed.clear()  # it was handed every one of them
+        self._backlog.clear()  # it was handed every one of them
 
     def detach(self, client: Client) -> None:
+        # One that leaves without staying leaves the backlog to the next.
         self.clients.discard(client)
         client.close()
-        if not client.confirmed and not self.clients and self._unconfirmed:
-            # It left without staying, and nobody else holds them: the next
-            # connection gets them, ahead of anything buffered since.
-            self._buffer = deque([*self._unconfirmed, *self._buffer], maxlen=BUFFER_LIMIT)
-            self._unconfirmed.clear()
 
     def send_from_client(self, client: Client, message: ClientMessage) -> None:
         if not client.confirmed and message.msg_type not in PROBES:
@@ -597,11 +560,8 @@ class KernelProcess:
             self._internal[msg_id] = state
 
     def _broadcast(self, message: KernelMessage) -> None:
-        if not self.clients:
-            self._buffer.append(message)
-            return
         if not any(client.confirmed for client in self.clients):
-            self._unconfirmed.append(message)
+            self._backlog.append(message)
         for client in list(self.clients):
             client.offer(message)
 
@@ -614,9 +574,7 @@ class KernelProcess:
         self._broadcast_own("stream", {"name": "stdout", "text": text})
 
     def _broadcast_own(self, msg_type: str, content: dict[str, Any]) -> None:
-        header = _agent_header(msg_type)
-        parts = [json.dumps(header).encode(), b"{}", b"{}", json.dumps(content).encode()]
-        self._broadcast(KernelMessage("iopub", header["msg_id"], msg_type, None, parts))
+        self._broadcast(agent_message(msg_type, content))
 
     def _touch(self) -> None:
         self.last_activity = datetime.now(UTC)

@@ -23,6 +23,7 @@ from nbfleet.agent import filesync, placing, preimports, statesync
 from nbfleet.agent.checkpoints import Checkpointer
 from nbfleet.agent.kernel_process import KernelProcess
 from nbfleet.agent.livesync import Lease, LiveSync
+from nbfleet.agent.output import DEFAULT_OUTPUT_BUFFER_BYTES
 from nbfleet.agent.placing import Placed, Runtime
 from nbfleet.agent.sandbox import Isolation, gpu_devices
 from nbfleet.agent.slots import Slot, new_kernel
@@ -41,11 +42,13 @@ class RuntimeManager:
                  isolation: Isolation | None = None, release_delay_s: float = 0.0,
                  warm_pool: int = 0, warm_profiles: int | None = None,
                  on_released: Callable[[list[str]], None] | None = None,
-                 file_sync_interval_s: float = 0.0, lease: Lease | None = None) -> None:
+                 file_sync_interval_s: float = 0.0, lease: Lease | None = None,
+                 output_buffer_bytes: int = DEFAULT_OUTPUT_BUFFER_BYTES) -> None:
         self.runtimes_dir = f"{state_dir}/runtimes"
         self.sockets_dir = sockets_dir
         self.isolation = isolation or Isolation(None)
         self.sandbox = self.isolation.sandbox
+        self.output_buffer_bytes = output_buffer_bytes
         #: Kernel deaths with a known reason (a memory limit), for the next heartbeat:
         #: the control plane records them as the workspace's last error.
         self.deaths: list[dict[str, str]] = []
@@ -83,8 +86,10 @@ class RuntimeManager:
 
     def new_slot(self, name: str, limits: Limits | None = None, network: str = "none",
                  devices: tuple[str, ...] = ()) -> Slot:
-        return Slot.create(self.runtimes_dir, self.sockets_dir, name, self.isolation, limits,
+        slot = Slot.create(self.runtimes_dir, self.sockets_dir, name, self.isolation, limits,
                            network, devices)
+        slot.output_buffer_bytes = self.output_buffer_bytes
+        return slot
 
     def _warm_slot(self, name: str) -> Slot:
         """Warm slots on a host with GPUs see them: the policy prewarms a host for the

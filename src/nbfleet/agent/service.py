@@ -23,6 +23,7 @@ from nbfleet.agent.bindings import ReleaseQueue
 from nbfleet.agent.checkpoints import Checkpointer
 from nbfleet.agent.jobs import JobRunner
 from nbfleet.agent.livesync import DEFAULT_AGENT_TIMEOUT_S, Lease
+from nbfleet.agent.output import DEFAULT_OUTPUT_BUFFER_BYTES
 from nbfleet.agent.runtimes import RuntimeManager
 from nbfleet.agent.sandbox import open_isolation
 from nbfleet.agent.sandbox.quota import remove_leftovers
@@ -89,6 +90,9 @@ class AgentConfig:
     #: On SIGTERM, seconds to wait for the control plane to move or suspend this
     #: host's workspaces before shutting down anyway (0: shut down at once).
     drain_timeout_s: float = 60.0
+    #: Bytes of a kernel's output kept for a client while none is connected; a
+    #: connected client may lag twice this behind (``agent.output``).
+    output_buffer_bytes: int = DEFAULT_OUTPUT_BUFFER_BYTES
 
 
 def load_agent_id(state_dir: str) -> str:
@@ -284,6 +288,7 @@ class AgentService:
                 warm_pool=self.config.warm_pool, warm_profiles=self.config.warm_profiles,
                 on_released=self.released.put,
                 file_sync_interval_s=self.config.file_sync_interval_s, lease=self.lease,
+                output_buffer_bytes=self.config.output_buffer_bytes,
             )
             if self.config.cell_checkpoints:
                 self.runtimes.checkpoints = Checkpointer(

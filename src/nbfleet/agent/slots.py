@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from jupyter_client.kernelspec import KernelSpecManager
 
 from nbfleet.agent.kernel_process import KernelProcess
+from nbfleet.agent.output import DEFAULT_OUTPUT_BUFFER_BYTES
 from nbfleet.agent.sandbox import Isolation, Sandbox
 from nbfleet.agent.sandbox.cgroups import Cgroup
 from nbfleet.agent.sandbox.egress import Netns
@@ -91,6 +92,8 @@ class Slot:
     #: Device nodes its kernels see: the host's GPUs for a workspace that asks for
     #: GPUs (which of them a cell may use is its binding's CUDA_VISIBLE_DEVICES).
     devices: tuple[str, ...] = ()
+    #: The output its kernels keep for their clients (``agent.output``).
+    output_buffer_bytes: int = DEFAULT_OUTPUT_BUFFER_BYTES
     _oom_seen: int = 0
 
     @classmethod
@@ -275,7 +278,7 @@ def new_kernel(slot: Slot, kernel_id: str, workspace_id: str, name: str,
                            readonly=(slot.root,), ipc_dir=slot.ipc, extra_arguments=extra,
                            tmp=slot.tmp, identity=slot.identity, cgroup=slot.cgroup,
                            netns=slot.netns.path if slot.netns else None,
-                           devices=slot.devices)
+                           devices=slot.devices, output_buffer_bytes=slot.output_buffer_bytes)
     kernel.state_dir = state_dir if extra else None
     kernel.staging_root = slot.stage
     kernel.death_reason = slot.death_reason

@@ -26,8 +26,10 @@ from nbfleet.cli.isolation import (
     KERNEL_CPUS_OPT,
     KERNEL_MEMORY_OPT,
     KERNEL_PIDS_OPT,
+    OUTPUT_BUFFER_OPT,
     WORKSPACE_DISK_OPT,
     limits_from,
+    output_buffer_from,
 )
 from nbfleet.cli.startup import (
     banner,
@@ -160,6 +162,7 @@ def up(
     kernel_cpus: str = KERNEL_CPUS_OPT,
     kernel_pids: str = KERNEL_PIDS_OPT,
     workspace_disk: str = WORKSPACE_DISK_OPT,
+    output_buffer: str = OUTPUT_BUFFER_OPT,
     cgroup_parent: str | None = CGROUP_PARENT_OPT,
     warm_pool: int = WARM_POOL_OPT,
     warm_profiles: int | None = WARM_PROFILES_OPT,
@@ -200,6 +203,7 @@ def up(
     configure_logging(log_level)
     check_agent_options(gpus, sandbox)
     limits = limits_from(kernel_memory, kernel_cpus, kernel_pids, workspace_disk)
+    output_bytes = output_buffer_from(output_buffer)
     check_suspend_options(suspend_on_busy)
     check_rate_limit_options(rate_limit, rate_limit_storage)
     lifecycle = {"idle_suspend_s": idle_suspend, "suspend_on_busy": suspend_on_busy,
@@ -225,7 +229,7 @@ def up(
                     hidden_paths=[str(state)], warm_pool=warm_pool,
                     warm_profiles=warm_profiles, job_heartbeat_s=job_heartbeat, limits=limits,
                     cgroup_parent=cgroup_parent, file_sync_interval_s=file_sync_interval,
-                    cell_checkpoints=cell_checkpoints),
+                    cell_checkpoints=cell_checkpoints, output_buffer_bytes=output_bytes),
         agent_sock, log_level,
     )
     banner(url, token, state)
@@ -330,6 +334,7 @@ def agent(
     kernel_cpus: str = KERNEL_CPUS_OPT,
     kernel_pids: str = KERNEL_PIDS_OPT,
     workspace_disk: str = WORKSPACE_DISK_OPT,
+    output_buffer: str = OUTPUT_BUFFER_OPT,
     cgroup_parent: str | None = CGROUP_PARENT_OPT,
     warm_pool: int = WARM_POOL_OPT,
     warm_profiles: int | None = WARM_PROFILES_OPT,
@@ -351,6 +356,7 @@ def agent(
     configure_logging(log_level)
     check_agent_options(gpus, sandbox)
     limits = limits_from(kernel_memory, kernel_cpus, kernel_pids, workspace_disk)
+    output_bytes = output_buffer_from(output_buffer)
     given = explicit_secret(secret_file, from_env)
     sock = listen(host, port)
     state = home_dir(home)
@@ -367,7 +373,8 @@ def agent(
                     warm_pool=warm_pool, warm_profiles=warm_profiles,
                     job_heartbeat_s=job_heartbeat, limits=limits,
                     cgroup_parent=cgroup_parent, file_sync_interval_s=file_sync_interval,
-                    cell_checkpoints=cell_checkpoints, drain_timeout_s=drain_timeout),
+                    cell_checkpoints=cell_checkpoints, drain_timeout_s=drain_timeout,
+                    output_buffer_bytes=output_bytes),
         sock, log_level, drain_on_stop=True,
     )
     run_servers([serving])

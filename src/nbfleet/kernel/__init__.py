@@ -19,6 +19,7 @@ from typing import Any
 from nbfleet.kernel import gpu as _gpu
 from nbfleet.kernel import restore as _restore
 from nbfleet.kernel import snapshot as _snapshot
+from nbfleet.kernel import streams as _streams
 from nbfleet.kernel.blobs import INLINE_LIMIT
 from nbfleet.kernel.capture import Capture
 from nbfleet.kernel.gpu import current_binding
@@ -58,6 +59,7 @@ def _state_dir() -> Path | None:
 def load_ipython_extension(ip: Any) -> None:
     global _capture, _shell
     _gpu.load(ip)  # with or without state capture: a GPU cell needs its devices
+    _streams.bound_output()
     _preimport(os.environ.get(PREIMPORT_ENV, ""))
     if _capture is not None:
         return
