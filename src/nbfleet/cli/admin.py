@@ -20,6 +20,7 @@ from nbfleet.cli.client import (
     print_json,
     print_table,
 )
+from nbfleet.cli.ws import quota_lines
 
 app = typer.Typer(help="Operate the fleet (needs an admin token).", no_args_is_help=True)
 
@@ -137,3 +138,83 @@ def undrain(
         print_json(body)
         return
     out.print(f"host {escape(host)} takes work again ({body['workspaces']} workspaces on it)")
+
+
+_LIMIT_HELP = "a number, 'unlimited', or 'default' (inherit)"
+
+
+def _limit(value: str | None, flag: str) -> int | str | None:
+    """A flag's limit: None (flag not given), ``"default"``, ``"unlimited"`` or N."""
+    if value is None or value in ("default", "unlimited"):
+        return value
+    if not value.isdigit():
+        err.print(f"[red]error:[/red] invalid {flag} {value!r}: {_LIMIT_HELP}")
+        raise typer.Exit(1)
+    return int(value)
+
+
+def _merged(stored: dict[str, Any] | None, changes: dict[str, int | str | None]
+            ) -> dict[str, Any]:
+    """The stored override with the flags given applied (``default`` clears one)."""
+    merged = dict(stored or {})
+    for name, value in changes.items():
+        if value == "default":
+            merged.pop(name, None)
+        elif value is not None:
+            merged[name] = value
+    return merged
+
+
+@app.command("quota")
+def quota(
+    org: str = typer.Option(..., "--org", help="The organisation"),
+    project: str | None = typer.Option(None, "--project", help="A project of the org"),
+    user: str | None = typer.Option(None, "--user", help="A user of the org"),
+    per_user: bool = typer.Option(False, "--per-user", help="With --project: set what each "
+                                  "of its users may hold, not the project's totals"),
+    workspaces: str | None = typer.Option(None, "--workspaces", help=_LIMIT_HELP),
+    running: str | None = typer.Option(None, "--running", help=_LIMIT_HELP),
+    kernels: str | None = typer.Option(None, "--kernels", help="Kernels per workspace: "
+                                       + _LIMIT_HELP),
+    gpus: str | None = typer.Option(None, "--gpus", help=_LIMIT_HELP),
+    as_json: bool = JSON_OPT,
+    url: str | None = URL_OPT,
+    token: str | None = TOKEN_OPT,
+) -> None:
+    """Show or set workspace quotas of a project (--project) or a user (--user).
+    Without a limit flag it shows them; flags change only the limits they name.
+    Defaults: each user 20 workspaces, 10 running, 8 kernels per workspace; GPUs
+    and project totals unlimited."""
+    if (project is None) == (user is None):
+        err.print("[red]error:[/red] give exactly one of --project and --user")
+        raise typer.Exit(1)
+    changes = {"workspaces": _limit(workspaces, "--workspaces"),
+               "running": _limit(running, "--running"),
+               "kernels_per_workspace": _limit(kernels, "--kernels"),
+               "gpus": _limit(gpus, "--gpus")}
+    api = Api(url, token)
+    if user is not None:
+        path = f"/v1/admin/orgs/{quote(org, safe='')}/users/{quote(user, safe='')}/quota"
+    else:
+        path = (f"/v1/admin/orgs/{quote(org, safe='')}/projects/"
+                f"{quote(project or '', safe='')}/quota")
+    body: dict[str, Any] = api.json(
+        "GET", path, not_found=f"no {'user' if user else 'project'} {org}/{user or project}")
+    if any(value is not None for value in changes.values()):
+        stored = body["set"]
+        if user is not None:
+            request: dict[str, Any] = _merged(stored, changes)
+        else:
+            scope = "per_user" if per_user else "project"
+            request = {**stored, scope: _merged(stored.get(scope), changes)}
+        body = api.json("PUT", path, json=request)
+    if as_json:
+        print_json(body)
+        return
+    for line in quota_lines(body):
+        out.print(escape(line))
+    if "per_user" in body:
+        limits = body["per_user"]["limits"]
+        out.print("each user: " + ", ".join(
+            f"{name} {'unlimited' if value is None else value}"
+            for name, value in limits.items()))

@@ -235,6 +235,44 @@ def list_(as_json: bool = JSON_OPT, url: str | None = URL_OPT,
     print_table(("id", "name", "state", "desired", "gpus", "updated"),
                 [(ws["id"], ws["name"], ws["state"], ws["desired_state"],
                   gpu_summary(ws.get("resources")), when(ws["updated_at"])) for ws in items])
+    for line in quota_lines(api.json("GET", "/v1/workspaces/quota")):
+        err.print(line)  # stderr: stdout stays the table alone
+
+
+def _of(used: int, limit: int | None) -> str:
+    return f"{used}/{'unlimited' if limit is None else limit}"
+
+
+def quota_lines(body: dict[str, Any]) -> list[str]:
+    """``GET /v1/workspaces/quota`` (or an admin's quota read) in a line or two:
+    the user's limits and usage, and the project's totals where any is set."""
+    lines = []
+    for scope in ("user", "project"):
+        figures = body.get(scope)
+        if not figures or not figures.get("usage"):
+            continue  # a project without totals: nothing counted, nothing to show
+        limits, usage = figures["limits"], figures["usage"]
+        kernels = limits.get("kernels_per_workspace")
+        lines.append(
+            f"{'quota' if scope == 'user' else 'project quota'}: "
+            f"{_of(usage['workspaces'], limits['workspaces'])} workspaces, "
+            f"{_of(usage['running'], limits['running'])} running, "
+            f"{_of(usage['gpus'], limits['gpus'])} GPUs, "
+            f"{'unlimited' if kernels is None else kernels} kernels per workspace")
+    return lines
+
+
+@app.command("quota")
+def quota(as_json: bool = JSON_OPT, url: str | None = URL_OPT,
+          token: str | None = TOKEN_OPT) -> None:
+    """Your workspace quota and what you hold (and your project's totals, if an admin
+    set any). Over a limit, a create or resume is refused naming it."""
+    body = Api(url, token).json("GET", "/v1/workspaces/quota")
+    if as_json:
+        print_json(body)
+        return
+    for line in quota_lines(body):
+        typer.echo(line)
 
 
 @app.command("get")

@@ -15,10 +15,10 @@ from typing import Any
 
 from sqlalchemy import select
 
-from nbfleet.control import hosts, resting_kernels, workspaces
+from nbfleet.control import hosts, quotas, resting_kernels, workspaces
 from nbfleet.control.auth import Principal
 from nbfleet.control.platform import Platform
-from nbfleet.db.tables import Agent, Kernel
+from nbfleet.db.tables import Agent, Kernel, Workspace
 from nbfleet.model.errors import Conflict, InvalidInput, NotFound
 from nbfleet.model.workspace import DesiredState, WorkspaceState
 from nbfleet.protocol.agent import KernelModel
@@ -110,7 +110,14 @@ async def launch_kernel(platform: Platform, principal: Principal, workspace_id: 
 
 
 def _insert_kernel(platform: Platform, workspace_id: str, kernel_id: str, name: str) -> None:
+    """The kernel's row, if the workspace's kernel quota has room (403 otherwise).
+    The workspace row is locked first, so two starts in one workspace are counted
+    one after the other and cannot both take its last place."""
     with platform.db.transaction() as session:
+        ws = session.get(Workspace, workspace_id, with_for_update=True)
+        if ws is None:
+            raise NotFound(f"workspace {workspace_id} not found")
+        quotas.admit_kernel(session, ws)
         session.add(Kernel(id=kernel_id, workspace_id=workspace_id, name=name,
                            created_at=platform.db.now(session)))
 

@@ -12,12 +12,14 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from nbfleet.control import quotas
 from nbfleet.control.auth import hash_token, new_token
 from nbfleet.db.engine import Database
 from nbfleet.db.ids import new_id
 from nbfleet.db.tables import ApiToken, Org, Project, User
 from nbfleet.model.errors import Conflict, InvalidInput, NotFound
 from nbfleet.model.limits import Limits
+from nbfleet.model.quotas import check_override
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 ADMIN_ORG = "system"
@@ -152,3 +154,55 @@ def set_job_settings(db: Database, org_name: str, project_name: str, weight: flo
         project.job_weight, project.job_guarantee_gpus = weight, guarantee_gpus
         project.job_max_running, project.job_max_queued = max_running, max_queued
         project.job_tiers = tiers
+
+
+def set_project_quota(db: Database, org_name: str, project_name: str,
+                      totals: dict[str, Any] | None, per_user: dict[str, Any] | None
+                      ) -> None:
+    """A project's workspace quota totals and the quota of each of its users (each
+    a stored override, ``model.quotas.check_override``; None: the defaults)."""
+    totals, per_user = check_override(totals), check_override(per_user)
+    with db.transaction() as session:
+        project = _locked_project(session, org_name, project_name)
+        project.quota, project.user_quota = totals, per_user
+
+
+def _user_in(session: Session, org_name: str, user_name: str, lock: bool = False
+             ) -> tuple[Project, User]:
+    query = (select(User).join(Org, Org.id == User.org_id)
+             .where(Org.name == org_name, User.name == user_name))
+    user = session.execute(query.with_for_update(of=User) if lock else query
+                           ).scalar_one_or_none()
+    if user is None:
+        raise NotFound(f"user {org_name}/{user_name} not found")
+    return session.get_one(Project, user.project_id), user
+
+
+def set_user_quota(db: Database, org_name: str, user_name: str,
+                   override: dict[str, Any] | None) -> None:
+    """One user's own workspace quota (None: the project's per-user quota)."""
+    override = check_override(override)
+    with db.transaction() as session:
+        _, user = _user_in(session, org_name, user_name, lock=True)
+        user.quota = override
+
+
+def user_quota(db: Database, org_name: str, user_name: str) -> dict[str, Any]:
+    """A user's stored override, effective limits and usage, with its project's."""
+    with db.transaction(write=False) as session:
+        project, user = _user_in(session, org_name, user_name)
+        return {"org": org_name, "user": user_name, "set": user.quota,
+                **quotas.report(session, project, user)}
+
+
+def project_quota(db: Database, org_name: str, project_name: str) -> dict[str, Any]:
+    """A project's stored overrides and effective limits, and what it holds."""
+    with db.transaction(write=False) as session:
+        project = session.execute(
+            select(Project).join(Org, Org.id == Project.org_id)
+            .where(Org.name == org_name, Project.name == project_name)).scalar_one_or_none()
+        if project is None:
+            raise NotFound(f"project {org_name}/{project_name} not found")
+        figures = quotas.project_report(session, project)
+        return {"org": org_name, "project": project_name, "set": {
+            "project": project.quota, "per_user": project.user_quota}, **figures}

@@ -61,6 +61,10 @@ class Project(Base):
     #: What a workspace created without a resource request asks for (the JSON of a
     #: ``model.cluster.ResourceSpec``; None: nothing, i.e. no GPUs).
     default_resources: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
+    #: Workspace quotas (``model.quotas``): the project's totals, and what each of
+    #: its users may hold; each a stored override (None: the defaults).
+    quota: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
+    user_quota: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
     created_at: Mapped[datetime]
 
 
@@ -72,6 +76,8 @@ class User(Base):
     project_id: Mapped[str] = mapped_column(ForeignKey("projects.id"))
     name: Mapped[str] = mapped_column(String(100))
     is_admin: Mapped[bool] = mapped_column(default=False)
+    #: This user's own workspace quota (``model.quotas``; None: the project's).
+    quota: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
     created_at: Mapped[datetime]
 
 
@@ -91,6 +97,8 @@ class Workspace(Base):
     __table_args__ = (
         Index("ix_workspaces_tenant", "org_id", "project_id", "id"),
         Index("ix_workspaces_pending", "pending", "next_attempt_at"),
+        #: A user's quota counts read only the user's rows.
+        Index("ix_workspaces_owner", "owner_id", "desired_state"),
     )
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
     org_id: Mapped[str] = mapped_column(ForeignKey("orgs.id"))

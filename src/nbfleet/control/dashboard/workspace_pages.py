@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from nbfleet.control import workspaces
+from nbfleet.control import quotas, workspaces
 from nbfleet.control.auth import Principal
 from nbfleet.control.dashboard.pages import (
     PAGE_SIZE,
@@ -35,7 +35,7 @@ from nbfleet.control.dashboard.pages import (
 from nbfleet.control.deps import current_principal, platform_of
 from nbfleet.control.idempotency import request_fingerprint, run_idempotent
 from nbfleet.control.routers.workspaces import CreateWorkspace, fleet_shapes
-from nbfleet.db.tables import Workspace, WorkspaceEvent
+from nbfleet.db.tables import Project, User, Workspace, WorkspaceEvent
 from nbfleet.model.errors import DomainError, InvalidInput, NotFound
 from nbfleet.model.workspace import DesiredState, WorkspaceState
 from nbfleet.storage.paths import confine
@@ -102,12 +102,14 @@ def home(request: Request, after: str | None = Query(None, max_length=64),
     me = viewer(request)
     with platform_of(request).db.transaction(write=False) as session:
         rows, next_after, prev_before = list_page(session, me.principal, after, before)
+        quota = quotas.report(session, session.get_one(Project, me.principal.project_id),
+                              session.get_one(User, me.principal.user_id))
     here = request.url.path + (f"?{request.url.query}" if request.url.query else "")
     poll = "/ui/api/workspaces" + (f"?after={quote(after)}" if after and not before else
                                    f"?before={quote(before)}" if before else "")
     return render(request, me, "workspaces.html", title="Workspaces", section="workspaces",
                   rows=rows, next_after=next_after, prev_before=prev_before,
-                  paged=bool(after or before), here=here, poll=poll,
+                  paged=bool(after or before), here=here, poll=poll, quota=quota,
                   notice=NOTICES.get(done or ""))
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
@@ -18,6 +18,7 @@ from nbfleet.db.tables import Agent
 from nbfleet.model.cluster import ResourceSpec
 from nbfleet.model.errors import InvalidInput
 from nbfleet.model.limits import Limits
+from nbfleet.model.quotas import MAX_LIMIT
 from nbfleet.protocol.hosts import HostDrainState
 from nbfleet.web.render import iso
 
@@ -112,6 +113,71 @@ async def job_settings(org: str, project: str, body: JobSettings, request: Reque
                             body.weight, body.guarantee_gpus, body.max_running, body.max_queued,
                             body.tiers)
     return {"org": org, "project": project, **body.model_dump()}
+
+
+Limit = Annotated[int, Field(ge=0, le=MAX_LIMIT)] | Literal["unlimited"] | None
+
+
+class QuotaBody(BaseModel):
+    """Workspace quota limits: each a number (0 freezes it), ``"unlimited"``, or
+    null / left out for the default (``model.quotas``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    workspaces: Limit = Field(None, description="Workspaces, deleted ones aside")
+    running: Limit = Field(None, description="Workspaces asked to run (a create or a "
+                                             "resume counts)")
+    kernels_per_workspace: Limit = Field(None, description="Kernels in one workspace")
+    gpus: Limit = Field(None, description="GPUs asked for by running workspaces")
+
+
+class ProjectQuota(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    project: QuotaBody | None = Field(
+        None, description="The project's totals (default: unlimited)")
+    per_user: QuotaBody | None = Field(
+        None, description="What each of the project's users may hold (default: 20 "
+                          "workspaces, 10 running, 8 kernels per workspace, GPUs unlimited)")
+
+
+def _stored(body: QuotaBody | None) -> dict[str, Any] | None:
+    return body.model_dump(exclude_none=True) if body is not None else None
+
+
+@router.put("/orgs/{org}/projects/{project}/quota",
+            summary="Set a project's workspace quotas: its totals and each user's")
+async def set_project_quota(org: str, project: str, body: ProjectQuota, request: Request,
+                            _: Principal = Depends(require_admin)) -> dict[str, Any]:
+    """A PUT replaces both: a field left out (or null) returns to its default. A
+    limit lowered below what is held refuses only what comes next."""
+    db = platform_of(request).db
+    await asyncio.to_thread(tenancy.set_project_quota, db, org, project,
+                            _stored(body.project), _stored(body.per_user))
+    return await asyncio.to_thread(tenancy.project_quota, db, org, project)
+
+
+@router.get("/orgs/{org}/projects/{project}/quota",
+            summary="A project's workspace quotas and what it holds")
+async def get_project_quota(org: str, project: str, request: Request,
+                            _: Principal = Depends(require_admin)) -> dict[str, Any]:
+    return await asyncio.to_thread(tenancy.project_quota, platform_of(request).db, org,
+                                   project)
+
+
+@router.put("/orgs/{org}/users/{user}/quota", summary="Set one user's workspace quota")
+async def set_user_quota(org: str, user: str, body: QuotaBody, request: Request,
+                         _: Principal = Depends(require_admin)) -> dict[str, Any]:
+    """Each field set here wins over the project's per-user quota; left out (or
+    null): the project's."""
+    db = platform_of(request).db
+    await asyncio.to_thread(tenancy.set_user_quota, db, org, user, _stored(body))
+    return await asyncio.to_thread(tenancy.user_quota, db, org, user)
+
+
+@router.get("/orgs/{org}/users/{user}/quota",
+            summary="One user's workspace quota and what it holds")
+async def get_user_quota(org: str, user: str, request: Request,
+                         _: Principal = Depends(require_admin)) -> dict[str, Any]:
+    return await asyncio.to_thread(tenancy.user_quota, platform_of(request).db, org, user)
 
 
 @router.get("/agents", summary="Registered hosts")

@@ -12,10 +12,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from nbfleet.control import workspaces
+from nbfleet.control import quotas, workspaces
 from nbfleet.control.auth import Principal
 from nbfleet.control.deps import current_principal, idempotent_reply, platform_of
-from nbfleet.db.tables import Workspace, WorkspaceEvent
+from nbfleet.db.tables import Project, User, Workspace, WorkspaceEvent
 from nbfleet.model.workspace import DesiredState, WorkspaceState
 from nbfleet.web.render import iso
 
@@ -96,6 +96,18 @@ def list_workspaces(
         "items": [workspaces.to_json(ws) for ws in page],
         "next": page[-1].id if len(rows) > limit else None,
     }
+
+
+@router.get("/quota", summary="Your workspace quota and what you and your project hold")
+def my_quota(request: Request,
+             principal: Principal = Depends(current_principal)) -> dict[str, Any]:
+    """``user``: your limits and usage; ``project``: your project's totals (null
+    limits are unlimited). Over a limit, creates and resumes answer 403
+    ``quota-exceeded`` naming it."""
+    with platform_of(request).db.transaction(write=False) as session:
+        project = session.get_one(Project, principal.project_id)
+        user = session.get_one(User, principal.user_id)
+        return quotas.report(session, project, user)
 
 
 @router.get("/{workspace_id}", summary="Get a workspace", response_model=None,
