@@ -6,11 +6,17 @@ binding until the cell's ``execute_reply``, or until the kernel dies, restarts o
 is shut down, and then tells the control plane which tasks ended. Telling it is
 off the kernel's hot path: ending a binding only puts task ids in a
 :class:`ReleaseQueue`, which the service drains over HTTP with retries.
+
+In a slot with GPU nodes a binding also opens its GPUs to the slot's device
+cgroup, and its end closes them (``sandbox.gpus``). A cell whose slot still holds
+one of its GPUs open is not reported released until it closes it: it stays listed
+on ``GET /bindings`` (``held``), so the GPU stays committed, and billed, to it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import time
@@ -20,6 +26,7 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
+from nbfleet.agent.sandbox.gpus import SlotGpus
 from nbfleet.protocol.gpu import ActiveBinding, CellBinding
 
 log = logging.getLogger(__name__)
@@ -88,24 +95,32 @@ class KernelBindings:
 
     def __init__(self) -> None:
         self._bound: OrderedDict[str, _Bound] = OrderedDict()
+        #: Ended cells whose GPUs the slot still holds open, by task id (with msg_id).
+        self._held: dict[str, tuple[str, _Bound]] = {}
         self.on_release: Callable[[list[str]], None] = lambda task_ids: None
+        #: The slot's GPUs (None: no GPU nodes in the slot, or no slot).
+        self.gpus: SlotGpus | None = None
 
     def __len__(self) -> int:
         return len(self._bound)
 
     def start(self, msg_id: str, binding: CellBinding) -> None:
-        ended = []
+        ended: list[tuple[str, _Bound]] = []
         old = self._bound.pop(msg_id, None)
-        if old is not None and old.binding.task_id != binding.task_id:
-            ended.append(old.binding.task_id)  # a reused msg_id: the first can never reply
+        if old is not None and old.binding.task_id == binding.task_id:
+            binding = old.binding  # the same cell again: bound (and granted) already
+        else:
+            if old is not None:
+                ended.append((msg_id, old))  # a reused msg_id: the first can never reply
+            if self.gpus is not None:
+                self.gpus.grant(binding.gpu_indices)
         self._bound[msg_id] = _Bound(binding, time.monotonic())
         while len(self._bound) > KERNEL_LIMIT:
-            _, oldest = self._bound.popitem(last=False)
+            oldest_id, oldest = self._bound.popitem(last=False)
             log.warning("too many cells bound in one kernel; releasing task %s",
                         oldest.binding.task_id)
-            ended.append(oldest.binding.task_id)
-        if ended:
-            self._release(ended)
+            ended.append((oldest_id, oldest))
+        self._finish(ended)
 
     def end(self, msg_id: str | None) -> None:
         """The cell ``msg_id`` replied (or will never run)."""
@@ -113,21 +128,42 @@ class KernelBindings:
             return
         bound = self._bound.pop(msg_id, None)
         if bound is not None:
-            self._release([bound.binding.task_id])
+            self._finish([(msg_id, bound)])
 
     def end_all(self, keep: Iterable[str] = ()) -> None:
         """The kernel died, restarts or stops: every cell in it ends, but ``keep``."""
         kept = {msg_id: self._bound[msg_id] for msg_id in keep if msg_id in self._bound}
-        ended = [b.binding.task_id for msg_id, b in self._bound.items() if msg_id not in kept]
+        ended = [(msg_id, b) for msg_id, b in self._bound.items() if msg_id not in kept]
         self._bound = OrderedDict(kept)
-        if ended:
-            self._release(ended)
+        self._finish(ended)
 
     def active(self, kernel_id: str, now: float | None = None) -> list[ActiveBinding]:
+        """Cells running, then cells ended whose GPUs are still held (``held``)."""
         moment = time.monotonic() if now is None else now
-        return [ActiveBinding(kernel_id=kernel_id, msg_id=msg_id, binding=b.binding,
-                              age_s=max(0.0, moment - b.started))
-                for msg_id, b in self._bound.items()]
+        running = [ActiveBinding(kernel_id=kernel_id, msg_id=msg_id, binding=b.binding,
+                                 age_s=max(0.0, moment - b.started))
+                   for msg_id, b in self._bound.items()]
+        return running + [ActiveBinding(kernel_id=kernel_id, msg_id=msg_id, binding=b.binding,
+                                        age_s=max(0.0, moment - b.started), held=True)
+                          for msg_id, b in self._held.values()]
+
+    def _finish(self, ended: list[tuple[str, _Bound]]) -> None:
+        """Close the cells' GPUs; report each once its slot holds none of them."""
+        now: list[str] = []
+        for msg_id, bound in ended:
+            task_id = bound.binding.task_id
+            if self.gpus is None or not bound.binding.gpu_indices:
+                now.append(task_id)
+                continue
+            self._held[task_id] = (msg_id, bound)
+            self.gpus.release(task_id, bound.binding.gpu_indices,
+                              functools.partial(self._closed, task_id))
+        if now:
+            self._release(now)
+
+    def _closed(self, task_id: str) -> None:
+        if self._held.pop(task_id, None) is not None:
+            self._release([task_id])
 
     def _release(self, task_ids: list[str]) -> None:
         try:

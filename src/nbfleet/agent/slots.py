@@ -34,6 +34,7 @@ from nbfleet.agent.output import DEFAULT_OUTPUT_BUFFER_BYTES
 from nbfleet.agent.sandbox import Isolation, Sandbox
 from nbfleet.agent.sandbox.cgroups import Cgroup
 from nbfleet.agent.sandbox.egress import Netns
+from nbfleet.agent.sandbox.gpus import SlotGpus
 from nbfleet.agent.sandbox.identity import Identities, Identity, hand_over
 from nbfleet.agent.sandbox.quota import Disk, state_disk_bytes, unmount
 from nbfleet.model.limits import Limits, format_size
@@ -90,8 +91,11 @@ class Slot:
     #: The network namespace with internet access (a project in egress mode).
     netns: Netns | None = None
     #: Device nodes its kernels see: the host's GPUs for a workspace that asks for
-    #: GPUs (which of them a cell may use is its binding's CUDA_VISIBLE_DEVICES).
+    #: GPUs. Which of them a cell may open is its binding's: the slot's device
+    #: cgroup, changed at each bind and release (``gpus``).
     devices: tuple[str, ...] = ()
+    #: Which of the host's GPUs it may open now (None: it has no GPU nodes).
+    gpus: SlotGpus | None = None
     #: The output its kernels keep for their clients (``agent.output``).
     output_buffer_bytes: int = DEFAULT_OUTPUT_BUFFER_BYTES
     _oom_seen: int = 0
@@ -138,6 +142,8 @@ class Slot:
             if isolation.cgroups is not None:
                 slot.cgroup = isolation.cgroups.create(name, limits)
                 slot._oom_seen = slot.cgroup.oom_kills()
+            if devices and isolation.gpus is not None:
+                slot.gpus = isolation.gpus.slot(slot.cgroup)
         except BaseException:
             slot.remove()
             raise
@@ -279,6 +285,7 @@ def new_kernel(slot: Slot, kernel_id: str, workspace_id: str, name: str,
                            tmp=slot.tmp, identity=slot.identity, cgroup=slot.cgroup,
                            netns=slot.netns.path if slot.netns else None,
                            devices=slot.devices, output_buffer_bytes=slot.output_buffer_bytes)
+    kernel.bindings.gpus = slot.gpus
     kernel.state_dir = state_dir if extra else None
     kernel.staging_root = slot.stage
     kernel.death_reason = slot.death_reason

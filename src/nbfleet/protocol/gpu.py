@@ -38,6 +38,12 @@ class ActiveBinding(BaseModel):
     binding: CellBinding
     #: Seconds since the agent forwarded the cell, on the agent's monotonic clock.
     age_s: float = Field(ge=0)
+    #: The cell ended, but a process of its slot still holds one of its GPUs open:
+    #: the GPU is still the cell's (no other slot on the agent may open it), and
+    #: the agent reports the cell released only once the GPU is closed; until then
+    #: it is committed, and billed, to the cell. (The control plane's cell gate
+    #: still releases at the reply: docs/security.md, GPUs.)
+    held: bool = False
 
 
 class AgentBindings(BaseModel):

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import glob
-
 from nbfleet.agent.sandbox.command import Sandbox, unseen
+from nbfleet.agent.sandbox.devices import gpu_paths
 from nbfleet.agent.sandbox.isolation import (
     MODES,
     Isolation,
@@ -18,5 +17,6 @@ __all__ = ["MODES", "Isolation", "Sandbox", "SandboxUnavailable", "gpu_devices",
 
 
 def gpu_devices() -> list[str]:
-    """NVIDIA's device nodes on this host (none on a machine without GPUs)."""
-    return sorted(glob.glob("/dev/nvidia*"))
+    """NVIDIA's device nodes on this host (none on a machine without GPUs), in
+    ``$NBFLEET_GPU_DEVICE_DIR`` instead of /dev where it is set (``devices.py``)."""
+    return gpu_paths()

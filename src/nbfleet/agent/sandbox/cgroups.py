@@ -10,6 +10,14 @@ first instruction.
 Both hierarchies are supported: cgroup v1 (one mount per controller, as on this
 project's machines) and v2 (one unified tree; the agent moves itself into a leaf
 so it may enable controllers for its children, as systemd's delegation expects).
+
+On v1 a slot also gets a **device cgroup** where the ``devices`` controller is
+mounted and the agent may write it (root): every device is refused but those
+bubblewrap's ``/dev`` holds (``devices.BASE_RULES``) and the GPUs bound to the
+slot now (:meth:`Cgroup.allow`, :meth:`Cgroup.deny`). v2 has no interface file for
+it (an eBPF program would be needed): there, and for an unprivileged agent, no
+device cgroup is made and a GPU slot's kernels can open every GPU node bound into
+their ``/dev`` (``devices.py``; docs/security.md says what holds then).
 """
 
 from __future__ import annotations
@@ -21,11 +29,14 @@ import os
 import time
 from dataclasses import dataclass
 
+from nbfleet.agent.sandbox.devices import BASE_RULES
 from nbfleet.model.limits import Limits
 
 log = logging.getLogger(__name__)
 
 CONTROLLERS = ("memory", "cpu", "pids")
+#: Optional: used where mounted and writable (v1).
+DEVICES = "devices"
 CPU_PERIOD_US = 100_000
 
 
@@ -56,10 +67,26 @@ class Cgroup:
 
     version: int
     dirs: tuple[str, ...]
+    #: The slot's device cgroup (v1 ``devices``), or None where there is none.
+    devices: str | None = None
 
     @property
     def procs_files(self) -> list[str]:
-        return [os.path.join(d, "cgroup.procs") for d in self.dirs]
+        extra = (self.devices,) if self.devices else ()
+        return [os.path.join(d, "cgroup.procs") for d in (*self.dirs, *extra)]
+
+    def allow(self, rules: list[str]) -> None:
+        """Let the slot open these devices (``c MAJOR:MINOR rw``): one write each,
+        cheap enough for the kernel's message loop."""
+        if self.devices is not None:
+            for rule in rules:
+                _write(f"{self.devices}/devices.allow", rule)
+
+    def deny(self, rules: list[str]) -> None:
+        """Take the exceptions back: later opens fail with EPERM; what is open stays."""
+        if self.devices is not None:
+            for rule in rules:
+                _write(f"{self.devices}/devices.deny", rule)
 
     def _dir(self, controller: str) -> str:
         """v1 keeps one directory per controller, in ``CONTROLLERS`` order."""
@@ -104,7 +131,7 @@ class Cgroup:
 
     def remove(self) -> None:
         """Remove the directories; processes still inside are killed first."""
-        for directory in self.dirs:
+        for directory in (*self.dirs, *((self.devices,) if self.devices else ())):
             _remove_dir(directory)
 
 
@@ -142,7 +169,7 @@ def _remove_dir(directory: str) -> None:
 
 
 def _v1_mounts() -> dict[str, tuple[str, ...]]:
-    """v1 mount point -> its controllers."""
+    """v1 mount point -> its controllers (of ``CONTROLLERS`` and ``DEVICES``)."""
     found: dict[str, tuple[str, ...]] = {}
     with contextlib.suppress(OSError), open("/proc/self/mountinfo") as handle:
         for line in handle:
@@ -150,7 +177,8 @@ def _v1_mounts() -> dict[str, tuple[str, ...]]:
             separator = fields.index("-")
             fstype, options = fields[separator + 1], fields[separator + 3]
             if fstype == "cgroup":
-                found[fields[4]] = tuple(o for o in options.split(",") if o in CONTROLLERS)
+                found[fields[4]] = tuple(o for o in options.split(",")
+                                         if o in (*CONTROLLERS, DEVICES))
     return {mount: ctrls for mount, ctrls in found.items() if ctrls}
 
 
@@ -185,9 +213,12 @@ def _own_paths() -> dict[str, str]:
 class CgroupTree:
     """Where this agent's slot cgroups live; one per agent process."""
 
-    def __init__(self, version: int, roots: tuple[str, ...]) -> None:
+    def __init__(self, version: int, roots: tuple[str, ...],
+                 devices: str | None = None) -> None:
         self.version = version
         self.roots = roots
+        #: Where the slots' device cgroups live (None: no device cgroups).
+        self.devices = devices
 
     @classmethod
     def open(cls, local_id: str, parent: str | None = None) -> CgroupTree:
@@ -205,7 +236,9 @@ class CgroupTree:
                 mount = next(m for m, ctrls in v1.items() if controller in ctrls)
                 base = parent if parent is not None else own.get(controller, "/")
                 roots.append(os.path.join(mount + base.rstrip("/"), name))
-            return cls._made(1, tuple(roots))
+            tree = cls._made(1, tuple(roots))
+            tree.devices = _devices_root(v1, own, parent, name)
+            return tree
         unified = _v2_mount()
         if unified is None:
             raise CgroupsUnavailable("no cgroup hierarchy with the memory, cpu and pids "
@@ -233,13 +266,43 @@ class CgroupTree:
         if self.version == 2:
             with contextlib.suppress(OSError):
                 _write(os.path.join(dirs[0], "cgroup.subtree_control"), "")
-        group = Cgroup(self.version, dirs)
+        devices = None
+        if self.devices is not None:
+            devices = os.path.join(self.devices, name)
+            _remove_dir(devices)
+            os.makedirs(devices)
+            # Refuse everything, then let bubblewrap's /dev through; GPUs are let
+            # through while bound (the rules are set before any process joins).
+            _write(f"{devices}/devices.deny", "a")
+            for rule in BASE_RULES:
+                _write(f"{devices}/devices.allow", rule)
+        group = Cgroup(self.version, dirs, devices)
         group.apply(limits)
         return group
 
     def close(self) -> None:
-        for root in self.roots:
+        for root in (*self.roots, *((self.devices,) if self.devices else ())):
             _remove_dir(root)
+
+
+def _devices_root(v1: dict[str, tuple[str, ...]], own: dict[str, str], parent: str | None,
+                  name: str) -> str | None:
+    """The agent's directory in the v1 devices hierarchy, or None (not mounted, or
+    not writable: an unprivileged agent, whose delegated subtree rarely includes it)."""
+    mount = next((m for m, ctrls in v1.items() if DEVICES in ctrls), None)
+    if mount is None:
+        return None
+    base = parent if parent is not None else own.get(DEVICES, "/")
+    root = os.path.join(mount + base.rstrip("/"), name)
+    try:
+        _remove_dir(root)
+        os.makedirs(root, exist_ok=True)
+        with open(f"{root}/devices.list") as handle:
+            handle.read()
+    except OSError as exc:
+        log.info("no device cgroups (%s): GPU slots can open every GPU node", exc)
+        return None
+    return root
 
 
 def _v2_delegate(base: str, name: str) -> str:

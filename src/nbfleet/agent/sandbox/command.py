@@ -13,7 +13,9 @@ Every sandboxed process gets, from bubblewrap:
 - its own **network namespace** with nothing but a loopback of its own: the agent
   is reached through the kernel's ZMQ IPC sockets (files in its socket directory);
 - IPC and UTS namespaces, and the **seccomp filter** of ``seccomp.py``;
-- a **cgroup** with the slot's limits, joined by the launcher before bubblewrap starts.
+- a **cgroup** with the slot's limits, joined by the launcher before bubblewrap starts,
+  and where there is one a **device cgroup** that lets it open only the GPUs bound
+  to its slot now (``gpus.py``).
 
 A root agent runs bubblewrap twice. The outer one (privileged) builds the mount
 view, where it may hide directories the sandbox uid could not even traverse (the
@@ -102,7 +104,8 @@ class Sandbox:
                 drop += [f"--reuid={identity.uid}", f"--regid={identity.gid}", "--clear-groups"]
             drop += ["--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]
             command = [*outer, *drop, self.bwrap, *inner, "--bind", "/", "/",
-                       "--proc", "/proc", "--dev", "/dev", *self._devices(devices or []),
+                       "--proc", "/proc", "--dev", "/dev",
+                       *self._devices(devices or [], inner=True),
                        *self._tail(workdir)]
         if netns is not None:
             command = ["nsenter", f"--net={netns}", "--", *command]
@@ -175,8 +178,15 @@ class Sandbox:
         return flags
 
     @staticmethod
-    def _devices(devices: list[str]) -> list[str]:
-        return [part for device in devices for part in ("--dev-bind", device, device)]
+    def _devices(devices: list[str], inner: bool = False) -> list[str]:
+        """Each device node (or directory of them) at ``/dev/<its name>``, whichever
+        directory the host keeps it in (``devices.DEVICE_DIR_ENV``). Visible is not
+        usable: which GPUs a kernel may open is its slot's device cgroup's to say."""
+        binds = []
+        for device in devices:
+            target = f"/dev/{os.path.basename(device)}"
+            binds += ["--dev-bind", target if inner else device, target]
+        return binds
 
     @staticmethod
     def _tail(workdir: str) -> list[str]:

@@ -18,7 +18,9 @@ from typing import Any
 
 from nbfleet.agent.sandbox.cgroups import CgroupsUnavailable, CgroupTree
 from nbfleet.agent.sandbox.command import Sandbox, under
+from nbfleet.agent.sandbox.devices import gpu_nodes
 from nbfleet.agent.sandbox.egress import Egress, EgressUnavailable
+from nbfleet.agent.sandbox.gpus import HostGpus
 from nbfleet.agent.sandbox.identity import Identities
 from nbfleet.agent.sandbox.quota import DiskQuotas, QuotasUnavailable
 from nbfleet.agent.sandbox.seccomp import SeccompUnavailable, write_filter
@@ -42,6 +44,8 @@ class Isolation:
     quotas: DiskQuotas | None = None
     #: Internet access for projects in egress mode (root agents only).
     egress: Egress | None = None
+    #: This host's GPU nodes and which slot each is open to (None: no GPU nodes).
+    gpus: HostGpus | None = None
     #: protection -> (active, what it does or why it is missing)
     report: dict[str, tuple[bool, str]] = field(default_factory=dict)
 
@@ -111,6 +115,7 @@ def open_isolation(mode: str, hidden: list[str], state_dir: str, local_id: str,
     isolation.sandbox = sandbox
     isolation.identities = Identities() if sandbox.privileged else None
     _open_limits(isolation, state_dir, local_id, cgroup_parent)
+    _open_gpus(isolation)
     try:
         isolation.egress = Egress.open(state_dir, local_id)
         isolation.sandbox = replace(sandbox, resolv_conf=isolation.egress.resolv_conf)
@@ -185,3 +190,21 @@ def _open_limits(isolation: Isolation, state_dir: str, local_id: str,
                                 "ENOSPC in the cell only")
     except (QuotasUnavailable, OSError) as exc:
         report["disk"] = (False, f"no disk quota: {exc}")
+
+
+def _open_gpus(isolation: Isolation) -> None:
+    """GPU nodes are bound into GPU slots; a device cgroup decides which of them a
+    slot may open (``gpus.py``). Without one, that is only CUDA_VISIBLE_DEVICES."""
+    nodes = gpu_nodes()
+    if not nodes:
+        return
+    isolation.gpus = HostGpus(nodes)
+    count = len(isolation.gpus.gpus)
+    if isolation.cgroups is not None and isolation.cgroups.devices is not None:
+        isolation.report["gpus"] = (True, f"{count} GPU nodes: a slot opens only the GPUs "
+                                          "bound to it now (device cgroup), and a GPU still "
+                                          "held open stays committed to its slot")
+    else:
+        isolation.report["gpus"] = (False, f"{count} GPU nodes, no device cgroup (cgroup v2 "
+                                           "or not root): a GPU slot's kernels can open "
+                                           "every GPU of this host")
