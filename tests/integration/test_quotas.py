@@ -115,3 +115,41 @@ def test_bad_limits_are_refused_with_a_reason(cluster: Cluster, body: dict[str, 
     assert answer.status_code == 422, answer.text
     assert answer.headers["content-type"].startswith("application/problem+json")
     assert answer.json()["detail"]
+
+
+def _images(cluster: Cluster) -> list[Path]:
+    return list((cluster.root / "agent1" / "sandbox" / "disks").glob("*.img"))
+
+
+def test_a_workspace_disk_costs_the_host_what_it_holds_not_its_limit(cluster: Cluster) -> None:
+    """Images are thin: before, each running workspace and warm slot allocated its
+    whole limit up front, and five default workspaces took 50 GiB."""
+    client = cluster.new_user(org="thin")
+    ws = create_running(client)
+    _mark(client, ws)
+    kernel = start_kernel(client, ws)
+    assert run_cell(cluster, client, ws, kernel,
+                    "open('blob.bin', 'wb').write(b'x' * (4 << 20))").status == "ok"
+    images = _images(cluster)
+    assert images
+    for image in images:
+        allocated = image.stat().st_blocks * 512
+        assert allocated < image.stat().st_size, (image, allocated)
+    allocated = sum(image.stat().st_blocks * 512 for image in images)
+    assert allocated < len(images) * (12 << 20), [(i.name, i.stat().st_blocks) for i in images]
+
+
+def test_a_workspace_near_its_disk_limit_is_told_in_its_cell(cluster: Cluster) -> None:
+    client = cluster.new_user(org="nearly")
+    ws = create_running(client)
+    kernel = start_kernel(client, ws)
+    result = run_cell(cluster, client, ws, kernel,
+                      "import time\nopen('big.bin', 'wb').write(b'x' * (37 << 20))\n"
+                      "time.sleep(6)")  # at least two heartbeats
+    warning = [o["content"]["text"] for o in result.outputs
+               if o["msg_type"] == "stream" and o["content"]["name"] == "stderr"]
+    assert any("this workspace's disk is" in w and "full" in w for w in warning), \
+        result.outputs
+    again = run_cell(cluster, client, ws, kernel, "import time\ntime.sleep(5)")
+    assert not any("disk is" in o["content"].get("text", "") for o in again.outputs), \
+        "told once per crossing, not at every heartbeat"

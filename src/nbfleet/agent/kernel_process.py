@@ -129,6 +129,8 @@ class KernelProcess:
         #: connected, or while only connections that have not stayed yet were (each
         #: new connection is handed all of it; one that stays takes it for good).
         self._backlog = Backlog(output_buffer_bytes)
+        #: The raw header of the last cell a client sent (``warn_in_cell``).
+        self._cell_header = b"{}"
         #: msg_id -> the client awaiting its reply. Bounded: comm messages get no reply.
         self._requesters: OrderedDict[str, Client] = OrderedDict()
         #: The agent's own requests, kept until both their shell reply and their
@@ -486,6 +488,8 @@ class KernelProcess:
 
     def _forward(self, client: Client, message: ClientMessage) -> None:
         assert self.codec is not None
+        if message.channel == "shell" and message.msg_type == "execute_request":
+            self._cell_header = message.parts[0]
         if message.channel == "shell" and message.msg_type == "execute_request" \
                 and _changes_state(message):
             if len(self.cells_pending) >= REQUESTER_LIMIT:  # a kernel that never replies
@@ -572,6 +576,12 @@ class KernelProcess:
     def announce(self, text: str) -> None:
         """Tell whoever attaches (now or later) something on the iopub stream."""
         self._broadcast_own("stream", {"name": "stdout", "text": text})
+
+    def warn_in_cell(self, text: str) -> None:
+        """A warning in the output of the last cell a client sent, where a notebook
+        shows it (JupyterLab shows no output that belongs to no cell)."""
+        self._broadcast(agent_message("stream", {"name": "stderr", "text": text},
+                                      self._cell_header))
 
     def _broadcast_own(self, msg_type: str, content: dict[str, Any]) -> None:
         self._broadcast(agent_message(msg_type, content))

@@ -21,6 +21,7 @@ from pydantic import ValidationError
 
 from nbfleet.agent.bindings import ReleaseQueue
 from nbfleet.agent.checkpoints import Checkpointer
+from nbfleet.agent.diskwatch import DiskWatch
 from nbfleet.agent.jobs import JobRunner
 from nbfleet.agent.livesync import DEFAULT_AGENT_TIMEOUT_S, Lease
 from nbfleet.agent.output import DEFAULT_OUTPUT_BUFFER_BYTES
@@ -222,6 +223,8 @@ class AgentService:
         self.reporter = ControlReporter(self._http, self.agent_id, self.boot_id)
         #: Renewed by each heartbeat answered: the file syncs write only while held.
         self.lease = Lease()
+        #: Tells a workspace near its disk limit (at each heartbeat).
+        self.disk_watch = DiskWatch()
 
     @property
     def manager(self) -> RuntimeManager:
@@ -322,6 +325,8 @@ class AgentService:
         from when this heartbeat was sent. Both happen without an await between
         them, so no file sync writes from a runtime fenced off with a fresh lease."""
         runtimes = self.runtimes
+        if runtimes is not None:
+            self.disk_watch.check(list(runtimes.runtimes.values()))
         deaths = runtimes.deaths[:] if runtimes is not None else []
         held = dict(runtimes.held()) if runtimes is not None else {}
         body = Heartbeat(boot_id=self.boot_id,

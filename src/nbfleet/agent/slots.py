@@ -125,7 +125,7 @@ class Slot:
                 assert isolation.quotas is not None
                 statefs = os.path.join(slot.root, "statefs")
                 slot.state_disk = isolation.quotas.create(f"{name}-state", statefs,
-                                                          state_disk_bytes(), sparse=True)
+                                                          state_disk_bytes(), few_files=True)
                 os.chmod(statefs, 0o755)
             for path in (*slot.owned, slot.sockets):
                 os.makedirs(path, exist_ok=True)

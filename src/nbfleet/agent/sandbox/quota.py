@@ -2,11 +2,14 @@
 
 The agent (as root) gives every slot a loop-mounted ext4 image of the workspace's
 disk limit, holding its files, packages, home and ``/tmp``. A write past the limit
-fails inside the kernel with ENOSPC and nowhere else. The image is allocated in
-full when the slot is made (``fallocate``), so what kernels write can never take
-disk from the metadata DB, the blobs or the agent's own state: the space was
-reserved up front, and a slot that cannot reserve its space is refused while at
-least ``reserve_bytes`` stay free for the platform.
+fails inside the kernel with ENOSPC and nowhere else.
+
+The images are thin: sparse files that take host disk only as they are written,
+so a running workspace costs what it holds, not its limit, and a laptop with a
+few GiB free runs many. The sum of the limits may therefore exceed the disk. What
+keeps the platform's own disk (the metadata DB, the blobs, the agent's state) is
+the reserve: no slot is made while less than ``reserve_bytes`` is free, and a
+workspace whose filesystem is nearly full is told (``agent.diskwatch``).
 
 Unprivileged agents cannot mount; they report the quota as missing.
 """
@@ -18,7 +21,6 @@ import logging
 import os
 import shutil
 import subprocess
-import threading
 from dataclasses import dataclass
 
 from nbfleet.model.errors import Conflict
@@ -30,15 +32,15 @@ log = logging.getLogger(__name__)
 DEFAULT_RESERVE_BYTES = 1 << 30
 _MKFS = ("-q", "-F", "-m", "0", "-E", "nodiscard,lazy_itable_init=1,lazy_journal_init=1")
 #: A state filesystem holds a few large files (a manifest, content-addressed blobs).
-_SPARSE_MKFS = ("-i", str(1 << 20))
+_FEW_FILES_MKFS = ("-i", str(1 << 20))
 
 
 def state_disk_bytes() -> int:
     """The size of a slot's state filesystem, where its kernels write the state a
     suspend, a move or a checkpoint saves. That state is the kernels' memory
     pickled, so no limit on the workspace's files may refuse it: it is sized from
-    the host's memory (twice over, for the previous snapshot beside the new), and
-    sparse, so it costs the host only what is written."""
+    the host's memory (twice over, for the previous snapshot beside the new); thin,
+    it costs the host only what is written."""
     return 2 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") + (256 << 20)
 
 
@@ -51,6 +53,12 @@ class Disk:
     image: str
     mountpoint: str
     size: int
+
+    def usage(self) -> tuple[int, int]:
+        """(bytes used, bytes in all) of the mounted filesystem."""
+        stats = os.statvfs(self.mountpoint)
+        total = stats.f_blocks * stats.f_frsize
+        return total - stats.f_bfree * stats.f_frsize, total
 
     def remove(self) -> None:
         unmount(self.mountpoint)
@@ -122,7 +130,6 @@ class DiskQuotas:
     def __init__(self, images_dir: str, reserve_bytes: int = DEFAULT_RESERVE_BYTES) -> None:
         self.images_dir = images_dir
         self.reserve_bytes = reserve_bytes
-        self._reserving = threading.Lock()
 
     @classmethod
     def open(cls, images_dir: str, reserve_bytes: int = DEFAULT_RESERVE_BYTES) -> DiskQuotas:
@@ -144,25 +151,21 @@ class DiskQuotas:
                 os.rmdir(probe)
         return quotas
 
-    def create(self, name: str, mountpoint: str, size: int, sparse: bool = False) -> Disk:
-        """A fresh filesystem of ``size`` bytes mounted at ``mountpoint``.
-
-        ``sparse``: nothing is reserved up front; the image takes host disk only as
-        it is written (a kernel's state staging: :func:`state_disk_bytes`)."""
+    def create(self, name: str, mountpoint: str, size: int, few_files: bool = False) -> Disk:
+        """A fresh, thin filesystem of ``size`` bytes mounted at ``mountpoint``;
+        :class:`Conflict` while the host has less than the reserve free.
+        ``few_files``: a kernel's state (a manifest and large blobs)."""
         image = os.path.join(self.images_dir, f"{name}.img")
         os.makedirs(mountpoint, exist_ok=True)
         disk = Disk(image, mountpoint, size)
         try:
-            with self._reserving:  # two slots never both count the same free space
-                fd = os.open(image, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-                try:
-                    if sparse:
-                        os.ftruncate(fd, size)
-                    else:
-                        self._reserve(fd, size)
-                finally:
-                    os.close(fd)
-            _run("mkfs.ext4", *_MKFS, *(_SPARSE_MKFS if sparse else ()), image)
+            self.check_reserve()
+            fd = os.open(image, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.ftruncate(fd, size)
+            finally:
+                os.close(fd)
+            _run("mkfs.ext4", *_MKFS, *(_FEW_FILES_MKFS if few_files else ()), image)
             # noinit_itable: ext4 would otherwise zero every inode table in the
             # background after the mount, writing a sparse image out for nothing.
             _run("mount", "-o", "loop,nosuid,nodev,noatime,noinit_itable", image, mountpoint)
@@ -173,14 +176,18 @@ class DiskQuotas:
             os.rmdir(os.path.join(mountpoint, "lost+found"))
         return disk
 
-    def _reserve(self, fd: int, size: int) -> None:
-        free = shutil.disk_usage(self.images_dir).free
-        if free - size < self.reserve_bytes:
+    def free_bytes(self) -> int:
+        return shutil.disk_usage(self.images_dir).free
+
+    def check_reserve(self) -> None:
+        """Refuse a new slot while the host's free disk is below the reserve: what
+        kernels write could otherwise fill the disk the platform runs on."""
+        free = self.free_bytes()
+        if free < self.reserve_bytes:
             raise Conflict(
-                f"this host cannot reserve {format_size(size)} of disk for a "
-                f"workspace: {format_size(free)} free, and "
-                f"{format_size(self.reserve_bytes)} stay reserved for the platform")
-        os.posix_fallocate(fd, 0, size)
+                f"this host is short of disk for another workspace: {format_size(free)} "
+                f"free, and {format_size(self.reserve_bytes)} stay reserved for the "
+                "platform")
 
     def small_tmpfs(self, mountpoint: str, uid: int, size: str = "1m") -> bool:
         """A tiny tmpfs owned by ``uid`` at ``mountpoint`` (a socket directory)."""
