@@ -41,11 +41,8 @@ def _cgroup_limit(cluster: Cluster, workspace_id: str, controller: str, name: st
                       recursive=True)
     for slot in slots:
         for pid in Path(slot, "cgroup.procs").read_text().split():
-            try:
-                cwd = os.readlink(f"/proc/{pid}/cwd")
-            except OSError:
-                continue
-            if os.path.exists(os.path.join(cwd, f"{workspace_id}.marker")):
+            # Every kernel sees its files at the same path: look through /proc.
+            if os.path.exists(f"/proc/{pid}/cwd/{workspace_id}.marker"):
                 return Path(slot, name).read_text().strip()
     raise AssertionError(f"no kernel of {workspace_id} in {slots}")
 

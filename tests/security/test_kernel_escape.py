@@ -98,8 +98,10 @@ def _deploy(mode: str, cluster: Cluster) -> Battlefield:
     assert cluster.control is not None
     kernels = wait_until(lambda: len(kernel_host_pids(agent.pid)) >= 2 and
                          kernel_host_pids(agent.pid), 30, what="both kernels")
+    # Each kernel sees its files at the same path: the victim's is the one whose
+    # working directory holds its secret (read through /proc from the host).
     victim_pid = next(pid for pid in kernels
-                      if victim.workspace_id in os.readlink(f"/proc/{pid}/cwd"))
+                      if os.path.exists(f"/proc/{pid}/cwd/secret.txt"))
     attacker_pid = next(pid for pid in kernels if pid != victim_pid)
     agents = cluster.admin().get("/v1/admin/agents").json()["items"]
     agent_id = (cluster.root / "agent1" / "agent-id").read_text().strip()
@@ -202,7 +204,8 @@ print(json.dumps({{"hits": hits, "seen": seen}}))
 def test_the_kernel_cannot_rearrange_what_the_agent_binds_into_it(field: Battlefield) -> None:
     """Found in review: a kernel that owned its slot could swap its /tmp for a
     symlink to any host directory, or its connection file for a symlink the agent
-    would chown, then restart itself."""
+    would chown, then restart itself. What is bound into it is a mount point it
+    cannot move, and its slot's own directory is not in its view at all."""
     verdict = field.attacker.run(field.cluster, TAMPER)
     assert verdict["done"] == [], verdict
 

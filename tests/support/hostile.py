@@ -369,16 +369,20 @@ print(json.dumps({{"cpu_s": cpu, "wall_s": time.monotonic() - start}}))
 """
 
 
-#: Rearrange what the agent will bind into the next start of this kernel: its slot's
-#: /tmp (a symlink to the host's /), its connection file (a symlink to a host file
-#: the agent would then chown), a file beside them.
+#: Rearrange what the agent will bind into the next start of this kernel: the
+#: directories bound into it (its working directory, its state, its package layer,
+#: its /tmp: each a mount point), its connection file (a symlink to a host file
+#: the agent would then chown), a file beside it.
 TAMPER = PROLOGUE + r"""
 import sys
-slot = os.path.dirname(os.getcwd())
+home = os.environ["HOME"]
 connection = sys.argv[sys.argv.index("-f") + 1]
-attempts = {
-    "rename slot tmp": lambda: os.rename(os.path.join(slot, "tmp"), os.path.join(slot, "t2")),
-    "symlink in slot": lambda: os.symlink("/", os.path.join(slot, "evil")),
+bound = {"working directory": os.getcwd(), "/tmp": "/tmp",
+         "state": os.path.dirname(os.environ["NBFLEET_STATE_DIR"]),
+         "package layer": os.environ["PIP_TARGET"]}
+attempts = {f"rename the {name}": (lambda path=path: os.rename(path, home + "/moved"))
+            for name, path in bound.items()}
+attempts |= {
     "replace connection file": lambda: os.unlink(connection),
     "file beside connection file": lambda: open(connection + ".x", "w").close(),
 }

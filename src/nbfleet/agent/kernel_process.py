@@ -71,15 +71,19 @@ class SandboxedKernelManager(AsyncKernelManager):
     cgroup: Cgroup | None = None
     netns: str | None = None
     devices: list[str] = []
+    #: (host path, path inside) pairs: a workspace's directories at fixed paths.
+    moved: list[tuple[str, str]] = []
+    #: The working directory as the kernel sees it.
+    workdir_inside: str = "/"
 
     def format_kernel_cmd(self, extra_arguments: list[str] | None = None) -> list[str]:
         argv: list[str] = super().format_kernel_cmd(extra_arguments)
         if self.sandbox is None:
             return argv
-        return self.sandbox.wrap(argv, self.visible, self.visible[0], tmp=self.tmp,
+        return self.sandbox.wrap(argv, self.visible, self.workdir_inside, tmp=self.tmp,
                                  identity=self.identity, cgroup=self.cgroup,
                                  readonly=self.readonly, netns=self.netns,
-                                 devices=self.devices)
+                                 devices=self.devices, moved=self.moved)
 
     def write_connection_file(self, **kwargs: Any) -> None:
         """The file (0600, with the kernel's key) must be readable by the sandbox's uid."""
@@ -109,11 +113,14 @@ class KernelProcess:
         netns: str | None = None,
         devices: tuple[str, ...] = (),
         output_buffer_bytes: int = DEFAULT_OUTPUT_BUFFER_BYTES,
+        moved: tuple[tuple[str, str], ...] = (),
     ) -> None:
         """``connection_dir`` holds the kernel's IPC sockets: keep its path short
         (a socket path must fit in 107 bytes). ``visible`` lists the directories,
         besides the working directory and ``connection_dir``, the sandbox exposes.
-        ``output_buffer_bytes``: the output kept for a client (``agent.output``)."""
+        ``output_buffer_bytes``: the output kept for a client (``agent.output``).
+        ``moved``: directories the sandbox binds at paths of its own (host path,
+        path inside), the working directory among them."""
         self.id = kernel_id
         self.workspace_id = workspace_id
         self.name = name
@@ -168,7 +175,11 @@ class KernelProcess:
         self.manager.sandbox = sandbox
         # The connection file is read-only to the sandbox (its directory is bound
         # read-only); the sockets are made in ``ipc_dir``.
-        self.manager.visible = [workdir, ipc_dir or connection_dir, *visible]
+        inside = dict(moved)
+        self.manager.moved = list(moved)
+        self.manager.workdir_inside = inside.get(workdir, workdir)
+        self.manager.visible = [*([] if workdir in inside else [workdir]),
+                                ipc_dir or connection_dir, *visible]
         self.manager.readonly = [*readonly, connection_dir] if ipc_dir else [*readonly]
         self.manager.tmp, self.manager.identity, self.manager.cgroup = tmp, identity, cgroup
         self.manager.netns = netns

@@ -254,6 +254,35 @@ class Slot:
         self.hand_over()
 
 
+@dataclass(frozen=True, slots=True)
+class KernelPaths:
+    """Where a kernel finds its workspace's directories."""
+
+    files: str
+    home: str
+    packages: str
+    state: str
+
+
+#: The fixed layout in the sandbox: the same in every slot, so a path a notebook
+#: holds (``os.getcwd()``, ``Path("data.csv").resolve()``, ``sys.path``, a module's
+#: ``__file__``) stays true after a resume, a move or a failover, and no path of the
+#: host's shows. Under /home, which the sandbox hides under a tmpfs of its own.
+INSIDE = KernelPaths(files="/home/nbfleet/work", home="/home/nbfleet",
+                     packages="/home/nbfleet/.nbfleet/packages",
+                     state="/home/nbfleet/.nbfleet/state")
+
+
+def kernel_paths(slot: Slot, sandbox: Sandbox | None) -> tuple[KernelPaths,
+                                                               tuple[tuple[str, str], ...]]:
+    """The paths a kernel in ``slot`` sees, and the (host, inside) binds that make
+    them: the fixed layout in a sandbox that allows it, else the host's own."""
+    if sandbox is None or not sandbox.stable_paths:
+        return KernelPaths(slot.files, slot.home, slot.packages, slot.state), ()
+    return INSIDE, ((slot.home, INSIDE.home), (slot.files, INSIDE.files),
+                    (slot.packages, INSIDE.packages), (slot.state, INSIDE.state))
+
+
 def new_kernel(slot: Slot, kernel_id: str, workspace_id: str, name: str,
                sandbox: Sandbox | None, preimport: tuple[str, ...] = (),
                env: dict[str, str] | None = None) -> KernelProcess:
@@ -262,26 +291,30 @@ def new_kernel(slot: Slot, kernel_id: str, workspace_id: str, name: str,
     ``env``: a client's ``KERNEL_*`` variables, filtered by
     ``protocol.kernel_env`` (never a name the platform sets itself)."""
     extra_env = allowed_kernel_env(env)
-    env = kernel_env(slot.home)
+    seen, moved = kernel_paths(slot, sandbox)
+    env = kernel_env(seen.home)
     extra: tuple[str, ...] = ()
-    state_dir = os.path.join(slot.state, uuid.uuid4().hex[:12])
+    name_of_state = uuid.uuid4().hex[:12]
+    state_dir = os.path.join(slot.state, name_of_state)
     if is_ipykernel(name):
         os.makedirs(state_dir, exist_ok=True)
         slot.hand_over(state_dir)
         extra = ("--ext", "nbfleet.kernel")
         env.update(
-            NBFLEET_STATE_DIR=state_dir,
-            PYTHONPATH=slot.packages,
+            NBFLEET_STATE_DIR=os.path.join(seen.state, name_of_state),
+            PYTHONPATH=seen.packages,
             # %pip and !pip install into the workspace's layer, not the base environment.
-            PIP_TARGET=slot.packages,
+            PIP_TARGET=seen.packages,
             PIP_DISABLE_PIP_VERSION_CHECK="1",
         )
         if preimport:
             env["NBFLEET_PREIMPORT"] = ",".join(preimport)
     env.update(extra_env)
     kernel = KernelProcess(kernel_id, workspace_id, name, slot.files, env, slot.sockets,
-                           sandbox=sandbox, visible=(slot.home, slot.packages, slot.state),
-                           readonly=(slot.root,), ipc_dir=slot.ipc, extra_arguments=extra,
+                           sandbox=sandbox,
+                           visible=() if moved else (slot.home, slot.packages, slot.state),
+                           readonly=() if moved else (slot.root,), moved=moved,
+                           ipc_dir=slot.ipc, extra_arguments=extra,
                            tmp=slot.tmp, identity=slot.identity, cgroup=slot.cgroup,
                            netns=slot.netns.path if slot.netns else None,
                            devices=slot.devices, output_buffer_bytes=slot.output_buffer_bytes)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from nbfleet.agent.sandbox.cgroups import Cgroup
@@ -64,11 +65,19 @@ class Sandbox:
     #: Bound over /etc/resolv.conf in a namespace with internet access.
     resolv_conf: str | None = None
 
+    @property
+    def stable_paths(self) -> bool:
+        """Whether a workspace's directories can be bound at fixed paths under
+        ``/home`` (``slots.INSIDE``): bubblewrap can make mount points there only
+        when /home is hidden under a tmpfs of the sandbox's own."""
+        return "/home" in self.hidden
+
     def wrap(self, argv: list[str], visible: list[str], workdir: str, *,
              tmp: str | None = None, identity: Identity | None = None,
              cgroup: Cgroup | None = None, devices: list[str] | None = None,
              job: bool = False, readonly: list[str] | None = None,
-             netns: str | None = None) -> list[str]:
+             netns: str | None = None,
+             moved: Sequence[tuple[str, str]] = ()) -> list[str]:
         """``argv`` inside the sandbox.
 
         ``visible`` are the directories bound writable (the slot, the socket
@@ -76,10 +85,12 @@ class Sandbox:
         device nodes to pass through (a job's GPUs); ``readonly`` more paths bound
         back read-only (a job's binary under a hidden path); ``netns`` a network
         namespace with internet access to enter instead of an empty one of its own
-        (``egress.py``). Under bwrap a child killed by signal N ends the sandbox with
-        exit status 128 + N.
+        (``egress.py``); ``moved`` (host path, path inside) pairs bound writable at
+        a path of the sandbox's own (a workspace's fixed layout, ``stable_paths``),
+        in order, so that one may sit inside another. Under bwrap a child killed by
+        signal N ends the sandbox with exit status 128 + N.
         """
-        view = self._view(visible, tmp, readonly or [])
+        view = self._view(visible, tmp, readonly or [], moved)
         inner = self._namespaces(own_network=netns is None)
         if netns is not None and self.resolv_conf is not None:
             view += ["--ro-bind", self.resolv_conf, "/etc/resolv.conf"]
@@ -127,7 +138,8 @@ class Sandbox:
         steps += ['trap "" INT TERM' if job else 'trap "" INT', 'exec "$@"']
         return ["/bin/sh", "-c", "; ".join(steps), "nbfleet-sandbox"]
 
-    def _view(self, visible: list[str], tmp: str | None, readonly: list[str]) -> list[str]:
+    def _view(self, visible: list[str], tmp: str | None, readonly: list[str],
+              moved: Sequence[tuple[str, str]] = ()) -> list[str]:
         view: list[str] = []
         if tmp is not None:
             view += ["--bind", tmp, "/tmp"]
@@ -161,6 +173,13 @@ class Sandbox:
             view += ["--ro-bind", path, path]
         for path in visible:
             view += ["--bind", path, path]
+        made = [*covers, *(inside for _, inside in moved)]
+        for host, inside in moved:
+            for parent in _parents_inside(inside, made):
+                if parent not in made:
+                    view += ["--perms", "0755", "--dir", parent]
+                    made.append(parent)
+            view += ["--bind", host, inside]
         return view
 
     def _namespaces(self, own_network: bool = True) -> list[str]:
