@@ -115,6 +115,7 @@ class Slot:
         try:
             shutil.rmtree(slot.root, ignore_errors=True)  # a previous boot's leftovers
             if isolation.quotas is not None and limits.disk_bytes:
+                isolation.quotas.check_reserve()
                 slot.disk = isolation.quotas.create(name, slot.root, limits.disk_bytes)
             # The slot's root and socket directory stay the agent's (and the sandbox
             # sees them read-only): the kernel cannot rename what is bound into its

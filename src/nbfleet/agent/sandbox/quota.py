@@ -152,14 +152,13 @@ class DiskQuotas:
         return quotas
 
     def create(self, name: str, mountpoint: str, size: int, few_files: bool = False) -> Disk:
-        """A fresh, thin filesystem of ``size`` bytes mounted at ``mountpoint``;
-        :class:`Conflict` while the host has less than the reserve free.
+        """A fresh, thin filesystem of ``size`` bytes mounted at ``mountpoint``
+        (the caller checks the reserve first: :meth:`check_reserve`).
         ``few_files``: a kernel's state (a manifest and large blobs)."""
         image = os.path.join(self.images_dir, f"{name}.img")
         os.makedirs(mountpoint, exist_ok=True)
         disk = Disk(image, mountpoint, size)
         try:
-            self.check_reserve()
             fd = os.open(image, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             try:
                 os.ftruncate(fd, size)
