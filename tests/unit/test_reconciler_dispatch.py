@@ -16,6 +16,7 @@ import pytest
 
 from nbfleet.control import reconciler as reconciler_module
 from nbfleet.control.fleet.service import GpuPlacement
+from nbfleet.control.fleet.sizing import FleetSettings
 from nbfleet.control.platform import Platform
 from nbfleet.control.reconciler import NeedsGpuPlacement, Reconciler
 from nbfleet.model.cluster import ResourceSpec
@@ -39,7 +40,7 @@ def test_a_tick_starts_new_work_without_waiting_for_the_last(
         wakes: list[bool] = []
         platform = SimpleNamespace(db=None, fleet=FakeFleet(), instance_id="ctl_t",
                                    standbys=SimpleNamespace(kick=lambda: None),
-                                   config=SimpleNamespace(lease_ttl_s=10.0),
+                                   config=SimpleNamespace(lease_ttl_s=10.0, fleet=FleetSettings()),
                                    wake=lambda: wakes.append(True))
         monkeypatch.setattr(reconciler_module.leases, "acquire", lambda *args: 7)
         rec = Reconciler(platform)  # type: ignore[arg-type]
@@ -133,7 +134,8 @@ def test_a_gpu_placement_is_never_chosen_while_the_fleet_model_is_rebuilt(
 
         platform = SimpleNamespace(db=None, fleet=RebuildingFleet(), instance_id="ctl_t",
                                    standbys=SimpleNamespace(kick=lambda: None),
-                                   config=SimpleNamespace(lease_ttl_s=10.0), wake=lambda: None,
+                                   config=SimpleNamespace(lease_ttl_s=10.0, fleet=FleetSettings()),
+                                   wake=lambda: None,
                                    notify_changed=lambda *args: None)
         monkeypatch.setattr(reconciler_module.leases, "acquire", lambda *args: 7)
         rec = Reconciler(platform)  # type: ignore[arg-type]
@@ -168,7 +170,7 @@ def test_a_tick_that_skipped_the_duties_comes_back_for_them_soon(
     async def main() -> None:
         platform = SimpleNamespace(db=None, fleet=FakeFleet(), instance_id="ctl_t",
                                    standbys=SimpleNamespace(kick=lambda: None),
-                                   config=SimpleNamespace(lease_ttl_s=10.0),
+                                   config=SimpleNamespace(lease_ttl_s=10.0, fleet=FleetSettings()),
                                    wake=lambda: None)
         monkeypatch.setattr(reconciler_module.leases, "acquire", lambda *args: 7)
         rec = Reconciler(platform)  # type: ignore[arg-type]
@@ -201,7 +203,8 @@ def test_a_refused_placement_is_asked_again_once_the_hosts_are_fed() -> None:
 
         platform = SimpleNamespace(db=None, fleet=Fleet(), instance_id="ctl_t",
                                    standbys=SimpleNamespace(kick=lambda: None),
-                                   config=SimpleNamespace(lease_ttl_s=10.0), wake=lambda: None)
+                                   config=SimpleNamespace(lease_ttl_s=10.0, fleet=FleetSettings()),
+                                   wake=lambda: None)
         rec = Reconciler(platform)  # type: ignore[arg-type]
         rec.token = 7
         seen: list[GpuPlacement] = []

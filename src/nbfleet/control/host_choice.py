@@ -9,7 +9,7 @@ from sqlalchemy.orm import Session
 
 from nbfleet.control import hosts, standbys
 from nbfleet.control.fleet.service import GpuPlacement
-from nbfleet.control.workspaces import transition
+from nbfleet.control.workspaces import SHAPES_RECHECK_S, FleetShapes, resources_of, transition
 from nbfleet.db.tables import Agent, Workspace
 from nbfleet.model.workspace import WorkspaceState, retry_delay_s
 from nbfleet.policy.placement import least_loaded
@@ -38,13 +38,11 @@ def cpu_host(session: Session, ws: Workspace, now: datetime, timeout: float) -> 
 
 
 def gpu_host(session: Session, ws: Workspace, gpu: GpuPlacement, now: datetime,
-             timeout: float) -> Agent | None:
+             timeout: float, shapes: FleetShapes) -> Agent | None:
     """Record the scheduler's placement and return the host to run on, or None
     (the workspace waits, or fails when it can never be placed)."""
     if gpu.refused is not None:
-        ws.last_error = f"cannot place: {gpu.refused}"
-        transition(session, ws, WorkspaceState.FAILED, now, ws.last_error)
-        ws.pending = False
+        _refused(session, ws, now, shapes)
         return None
     draining = hosts.draining_hosts(session)
     candidates = [h for h in gpu.hosts if h not in draining]
@@ -72,3 +70,30 @@ def gpu_host(session: Session, ws: Workspace, gpu: GpuPlacement, now: datetime,
     ws.gpu_placement = {"hosts": list(gpu.hosts), "reserved": list(gpu.reserved)}
     ws.host_id, ws.host_boot_id = host.id, host.boot_id
     return host
+
+
+def _refused(session: Session, ws: Workspace, now: datetime, shapes: FleetShapes) -> None:
+    """The scheduler refused the workspace: it waits, or fails, saying why.
+
+    The scheduler judges by the hosts in its model, which holds only the hosts
+    that are up (with none, by the shape it was last sized for): with every host
+    away, or every host of the one kind that fits, it refuses what the API
+    accepted because registered hosts can hold it. That is a wait, retried like any wait for
+    capacity. Only when no registered host (nor the autoscaler's shape) could ever
+    hold it does the workspace fail, with the reason; it is not retried behind the
+    user's back (nothing would change), and a resume asks again
+    (``workspaces.request_state``). A failure is judged on a fresh read of the
+    shapes (``FleetShapes``), a wait on the cached one."""
+    spec = resources_of(ws)
+    reason = shapes.reason(session, spec)
+    if reason is not None:
+        reason = shapes.reason(session, spec, SHAPES_RECHECK_S)
+    if reason is None:
+        kinds = " or ".join(spec.gpu_types) or "GPU"
+        ws.last_error = (f"waiting for a host with {spec.gpus}x {kinds} to come back: "
+                         "none that can hold it is up")
+        ws.next_attempt_at = now + timedelta(seconds=GPU_WAIT_RETRY_S)
+        return
+    ws.last_error = f"cannot place: {reason}"
+    transition(session, ws, WorkspaceState.FAILED, now, ws.last_error)
+    ws.pending = False

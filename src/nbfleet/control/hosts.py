@@ -22,7 +22,7 @@ from nbfleet.control.workspaces import transition
 from nbfleet.db.engine import rows_affected
 from nbfleet.db.tables import Agent, Workspace
 from nbfleet.model.errors import Conflict, NotFound
-from nbfleet.model.workspace import WorkspaceState
+from nbfleet.model.workspace import DesiredState, WorkspaceState
 from nbfleet.policy.placement import HostLoad
 
 
@@ -51,12 +51,23 @@ def register(session: Session, now: datetime, body: dict[str, Any]) -> int:
     return lost + _end_placement_backoff(session)
 
 
+#: The states of a workspace being given a place to run (``model.workspace.plan``).
+_PLACING = (WorkspaceState.CREATING, WorkspaceState.RESUMING, WorkspaceState.FAILED)
+
+
 def _end_placement_backoff(session: Session) -> int:
+    """Every workspace waiting to be placed is looked at again now, wherever its
+    last runtime was: one whose host went away keeps that host's id (the same
+    host, back with the same boot, still holds its runtime), and a long outage
+    had grown its backoff to minutes. Its count of attempts starts again too: a
+    first try that fails as the host settles must not wait minutes more. Only the
+    pending rows (an index) are read."""
     result = session.execute(
         update(Workspace)
-        .where(Workspace.pending.is_(True), Workspace.host_id.is_(None),
-               Workspace.next_attempt_at.is_not(None))
-        .values(next_attempt_at=None)
+        .where(Workspace.pending.is_(True), Workspace.next_attempt_at.is_not(None),
+               Workspace.desired_state == DesiredState.RUNNING,
+               Workspace.state.in_([str(s) for s in _PLACING]))
+        .values(next_attempt_at=None, attempts=0)
     )
     return rows_affected(result)
 

@@ -29,7 +29,7 @@ from nbfleet.control.fleet.service import GpuPlacement
 from nbfleet.control.host_choice import cpu_host, gpu_host
 from nbfleet.control.platform import Platform
 from nbfleet.control.step_results import Work, record
-from nbfleet.control.workspaces import resources_of, transition
+from nbfleet.control.workspaces import FleetShapes, resources_of, transition
 from nbfleet.db.tables import Kernel, Project, Workspace
 from nbfleet.model.cluster import ResourceSpec
 from nbfleet.model.errors import DomainError, NotFound, SuspendFailed
@@ -78,6 +78,9 @@ class Reconciler:
         self.platform = platform
         self.db = platform.db
         self.token: int | None = None
+        fleet = platform.config.fleet
+        #: The registered hosts' shapes: whether a refused GPU placement waits or fails.
+        self._shapes = FleetShapes(fleet.host_gpus, fleet.max_hosts)
         self._slots = asyncio.Semaphore(PARALLEL)
         #: Held while the fleet's model may be rebuilt from the database (the duties)
         #: and from a GPU placement's choice until the database records it: a rebuild
@@ -282,7 +285,7 @@ class Reconciler:
                     project = session.get(Project, ws.project_id)
                     return NeedsGpuPlacement(ws.id, spec, ws.project_id,
                                              project.job_weight if project else 1.0)
-                host = gpu_host(session, ws, gpu, now, config.agent_timeout_s)
+                host = gpu_host(session, ws, gpu, now, config.agent_timeout_s, self._shapes)
                 if host is None:
                     return None
             if step.action is Action.PLACE and host is None:
