@@ -158,3 +158,35 @@ def test_an_older_control_plane_s_empty_reply_names_nothing_stale() -> None:
     assert reply == HeartbeatReply(agent_timeout_s=DEFAULT_AGENT_TIMEOUT_S, stale=[])
     body = HeartbeatReply(agent_timeout_s=30.0, stale=["ws_1"]).model_dump(mode="json")
     assert heartbeat_reply(httpx.Response(200, json=body)).stale == ["ws_1"]
+
+
+# ------------------------------------------------- how far behind the store is
+def test_the_sync_says_since_when_the_store_holds_every_file(tmp_path: Path) -> None:
+    """What a lost host loses: what its kernels wrote since ``synced_at``."""
+    clock = Clock(1000.0)
+    lease = Lease()
+    lease.renew(sent_at=1000.0, timeout_s=100.0)
+    loop, work, files = live_sync(tmp_path, lease, clock)
+    assert loop.clean and loop.synced_at == 1000.0  # started from the store
+    clock.now = 1002.0
+    asyncio.run(loop.round())
+    assert loop.clean and loop.synced_at == 1002.0  # nothing differs
+    (work / "a.txt").write_text("one")
+    clock.now = 1004.0
+    asyncio.run(loop.round())  # seen once: not settled yet, nothing uploaded
+    assert not loop.clean and loop.synced_at == 1002.0
+    assert stored(files) == {}
+    clock.now = 1006.0
+    asyncio.run(loop.round())  # settled: uploaded
+    assert stored(files) == {"a.txt": b"one"}
+    assert loop.clean and loop.synced_at == 1006.0
+
+
+def test_a_round_the_lease_does_not_cover_leaves_the_files_unsynced(tmp_path: Path) -> None:
+    clock = Clock(1000.0)
+    loop, work, files = live_sync(tmp_path, Lease(), clock)  # no heartbeat answered
+    (work / "a.txt").write_text("one")
+    for now in (1002.0, 1004.0):
+        clock.now = now
+        asyncio.run(loop.round())
+    assert stored(files) == {} and not loop.clean and loop.synced_at == 1000.0

@@ -135,9 +135,21 @@ class LiveSync:
     #: A round was skipped for a stale lease since the last one that was not (it
     #: was logged; the next skips are not).
     skipping: bool = field(init=False, default=False)
+    #: When (``clock``) the store last held every file as a scan found it: the
+    #: runtime started from the store, then each round that left nothing unsynced.
+    #: What a lost host loses is what its kernels wrote since.
+    synced_at: float = field(init=False)
+    #: Whether the last round left nothing unsynced.
+    clean: bool = field(init=False, default=True)
 
     def __post_init__(self) -> None:
         self.settling = Settling(self.interval_s * MAX_WAIT_ROUNDS)
+        self.synced_at = self.clock()
+
+    def _scanned(self, at: float, clean: bool) -> None:
+        self.clean = clean
+        if clean:
+            self.synced_at = at
 
     async def run(self) -> None:
         """Until cancelled (the runtime's teardown does, holding ``lock``, so a
@@ -157,21 +169,27 @@ class LiveSync:
     async def round(self) -> list[str]:
         """Scan, then sync what settled; returns the paths synced."""
         started = time.monotonic()
+        scanned_at = self.clock()
         scan = await asyncio.to_thread(filesync.scan, self.workdir())
         self.scan_s = time.monotonic() - started
         ready = self.settling.ready(scan, self.manifest(), time.monotonic())
         if not ready:
+            self._scanned(scanned_at, not self.settling.since)  # clean: nothing differs
             return []
         async with self.lock:
             if not self.live() or not self._lease_held():
+                self.clean = False
                 return []
             # Checked again against the manifest as it is now, under the lock: an
             # API write since the scan updated it, and is not uploaded again.
             manifest = self.manifest()
             for path in self.digests.keys() - manifest.keys():  # deleted by the API
                 del self.digests[path]
+            self.clean = False  # until the sync is done
             await asyncio.to_thread(filesync.sync_paths, self.files, self.workspace_id,
                                     self.workdir(), manifest, ready, self.digests)
+        # Clean when all that differed at the scan is stored now.
+        self._scanned(scanned_at, set(self.settling.since) <= set(ready))
         return ready
 
     def _lease_held(self) -> bool:

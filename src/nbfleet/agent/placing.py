@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from nbfleet.agent import filesync, preimports, standby_state, statesync
 from nbfleet.agent.kernel_process import KernelProcess
+from nbfleet.agent.livesync import LiveSync
 from nbfleet.agent.slots import WARM_IMPORTS, Slot
 from nbfleet.agent.standbys import Staged, Standby, promote_files
 from nbfleet.model.limits import Limits
@@ -37,6 +38,8 @@ class Runtime:
     kernels: dict[str, KernelProcess] = field(default_factory=dict)
     #: The periodic sync of what its kernels write (None: turned off).
     syncing: asyncio.Task[None] | None = None
+    #: That sync's loop: how far behind the store is (``livesync``).
+    file_sync: LiveSync | None = None
 
     @property
     def workdir(self) -> str:

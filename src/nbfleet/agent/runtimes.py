@@ -186,6 +186,7 @@ class RuntimeManager:
         loop = LiveSync(self.files, workspace_id, lambda: runtime.workdir,
                         lambda: runtime.manifest, lambda: self._owns(runtime),
                         self._lock(workspace_id), self.file_sync_interval_s, self.lease)
+        runtime.file_sync = loop
         runtime.syncing = asyncio.create_task(loop.run(), name=f"file-sync-{workspace_id}")
 
     def _restore_layer(self, workspace_id: str, key: str | None, slot: Slot) -> dict[str, Any]:
@@ -315,6 +316,22 @@ class RuntimeManager:
         workspace_id = runtime.workspace_id
         return (self.runtimes.get(workspace_id) is runtime
                 and self._fenced.get(workspace_id) is not runtime)
+
+    def files_behind(self, now: float) -> tuple[float, dict[str, float]]:
+        """How far the store is behind the files kernels write here, for the
+        heartbeat: (the most that runtimes whose last sync left nothing unsynced
+        lag behind, in seconds, which is about a sync interval), and for each
+        runtime that has unsynced files, how long since the store held them all."""
+        lag, behind = 0.0, {}
+        for workspace_id, runtime in self.runtimes.items():
+            sync = runtime.file_sync
+            if sync is None:
+                continue
+            if sync.clean:
+                lag = max(lag, now - sync.synced_at)
+            else:
+                behind[workspace_id] = max(0.0, now - sync.synced_at)
+        return lag, behind
 
     def held(self) -> list[tuple[str, int]]:
         """(workspace id, generation) of each runtime here not fenced off yet: what

@@ -350,6 +350,9 @@ class HeldRuntime(BaseModel):
 
     workspace_id: str = Field(max_length=100)
     generation: int = Field(ge=1)
+    #: Seconds since the blob store last held every file its kernels wrote (None:
+    #: it holds them all as of the last sync): what losing the host now would lose.
+    files_unsynced_s: float | None = Field(None, ge=0, le=1e9)
 
 
 class Heartbeat(BaseModel):
@@ -362,6 +365,10 @@ class Heartbeat(BaseModel):
     #: The runtimes the agent runs, so that the reply can name those no longer
     #: placed on it (older agents send none, and are told of none).
     runtimes: list[HeldRuntime] = Field(default=[], max_length=10_000)
+    #: How far behind the store are the runtimes whose files were all synced at
+    #: their last round (about a sync interval): a host lost now loses what their
+    #: kernels wrote in these last seconds.
+    files_lag_s: float = Field(0.0, ge=0, le=1e9)
 
 
 class HeartbeatReply(BaseModel):
