@@ -9,8 +9,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 from sqlalchemy import select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, object_session
 
+from nbfleet.control import quotas
 from nbfleet.control.auth import Principal
 from nbfleet.db.ids import new_id
 from nbfleet.db.tables import Agent, Project, Workspace, WorkspaceEvent
@@ -308,7 +309,12 @@ def get_visible(session: Session, principal: Principal, workspace_id: str,
 
 def create(session: Session, principal: Principal, name: str, now: datetime,
            resources: ResourceSpec | None = None) -> Workspace:
-    """A new workspace asking for ``resources`` (already resolved and checked)."""
+    """A new workspace asking for ``resources`` (already resolved and checked), if
+    its owner's and project's quotas have room (403 otherwise): counted in this
+    transaction, before the insert, so concurrent creates cannot all fit."""
+    resources = resources or ResourceSpec()
+    quotas.admit_new_workspace(session, principal.project_id, principal.user_id,
+                               resources.gpus)
     ws = Workspace(
         id=new_id("ws"),
         org_id=principal.org_id,
@@ -320,7 +326,7 @@ def create(session: Session, principal: Principal, name: str, now: datetime,
         generation=1,
         pending=True,
         attempts=0,
-        resources=spec_json(resources or ResourceSpec()),
+        resources=spec_json(resources),
         created_at=now,
         updated_at=now,
     )
@@ -331,12 +337,32 @@ def create(session: Session, principal: Principal, name: str, now: datetime,
 
 
 def request_state(ws: Workspace, desired: DesiredState, now: datetime) -> None:
-    """Record a new desired state; a repeat of the current one changes nothing."""
+    """Record a new desired state; a repeat of the current one changes nothing.
+    Asking a workspace that is not to run to run again (a resume, by any door: the
+    API, the dashboard, Lab, a kernel request) counts against the running and GPU
+    quotas, in the caller's transaction (``ws`` is locked by it)."""
     check_request(WorkspaceState(ws.state), desired, DesiredState(ws.desired_state))
     if ws.desired_state == desired:
+        if desired is DesiredState.RUNNING and ws.state == WorkspaceState.FAILED:
+            ask_again(ws, now)
         return
+    session = object_session(ws)
+    if desired is DesiredState.RUNNING and session is not None:
+        quotas.admit_running(session, ws)
     ws.desired_state = desired
     ws.generation += 1
+    ws.pending = True
+    ws.attempts = 0
+    ws.next_attempt_at = None
+    ws.updated_at = now
+
+
+def ask_again(ws: Workspace, now: datetime) -> None:
+    """A resume of a ``failed`` workspace: its placement is tried again at once.
+    Its desired state is already ``running``, so without this the resume changed
+    nothing: a placement refused for good stayed failed, and one waiting out a
+    backoff grown to minutes went on waiting. The reason stays in ``last_error``
+    until the attempt settles or says another; the generation is the same request's."""
     ws.pending = True
     ws.attempts = 0
     ws.next_attempt_at = None
