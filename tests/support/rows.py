@@ -17,7 +17,7 @@ def add_workspace(db: Database, workspace_id: str, kernel_id: str, tag: str,
     now = datetime.now(UTC)
     org, project, user = f"org_{tag}", f"prj_{tag}", f"usr_{tag}"
     with db.transaction() as session:
-        session.add(Org(id=org, name="org", created_at=now))
+        session.add(Org(id=org, name=org, created_at=now))
         session.add(Project(id=project, org_id=org, name="p", created_at=now))
         session.add(User(id=user, org_id=org, project_id=project, name="u", created_at=now))
         session.flush()

@@ -331,12 +331,15 @@ class AgentService:
         held = dict(runtimes.held()) if runtimes is not None else {}
         lag, behind = (runtimes.files_behind(time.monotonic()) if runtimes is not None
                        else (0.0, {}))
+        quotas = self.isolation.quotas
         body = Heartbeat(boot_id=self.boot_id,
                          kernel_deaths=[KernelDeath.model_validate(d) for d in deaths],
                          runtimes=[HeldRuntime(workspace_id=ws, generation=generation,
                                                files_unsynced_s=behind.get(ws))
                                    for ws, generation in held.items()],
-                         files_lag_s=lag)
+                         files_lag_s=lag,
+                         disk_short=(quotas.free_bytes() < quotas.reserve_bytes
+                                     if quotas is not None else None))
         sent = time.monotonic()
         response = await self._http.post(f"/internal/agents/{self.agent_id}/heartbeat",
                                          json=body.model_dump(mode="json"))

@@ -91,15 +91,19 @@ def _stale(ws: Workspace, body: CellCheckpoint) -> str | None:
     return None
 
 
-def mark_host_lost(ws: Workspace, now: datetime, reason: str) -> None:
-    """The runtime on ``ws.host_id`` is gone: its kernels restart from what was saved.
+def mark_host_lost(ws: Workspace, now: datetime, reason: str,
+                   files_as_of: datetime | None = None) -> None:
+    """The runtime on ``ws.host_id`` is gone: its kernels restart from what was saved,
+    its files from what the store held (all of them as of ``files_as_of``).
 
     The generation moves on: a host presumed dead that still runs the old runtime
     is fenced off (its checkpoints are refused, and a placement back on it replaces
     that runtime instead of adopting it: ``RuntimeManager.ensure``)."""
     ws.generation += 1
     snapshot = dict(ws.snapshot or {})
-    snapshot["host_lost"] = {"host": ws.host_id, "at": iso(now), "reason": reason[:500]}
+    snapshot["host_lost"] = {"host": ws.host_id, "at": iso(now), "reason": reason[:500],
+                             "files_as_of": iso(min(files_as_of, now)) if files_as_of
+                             else None}
     ws.snapshot = snapshot
 
 
@@ -158,7 +162,37 @@ def report(snapshot: dict[str, Any] | None, kernel_ids: list[str]) -> dict[str, 
             "interrupted": int(seen.get("interrupted", 0)),
         }
     return {"host": lost.get("host"), "at": lost.get("at"), "reason": lost.get("reason"),
-            "kernels": kernels}
+            "files_as_of": lost.get("files_as_of"), "kernels": kernels}
+
+
+def _clock(at: object) -> str:
+    text = str(at or "")
+    return f"{text[:10]} {text[11:19]}"
+
+
+def rolled_back(snapshot: dict[str, Any] | None, kernel_ids: list[str]) -> str | None:
+    """One line for the workspace's events: what a placement after a lost host came
+    back to, and what it lost; None when no host was lost."""
+    lost = report(snapshot, kernel_ids)
+    if lost is None:
+        return None
+    parts = [f"back after the loss of {lost['host']} ({lost['reason']})"]
+    for kernel_id, facts in lost["kernels"].items():
+        kernel = f"kernel {kernel_id[:8]}: "
+        if facts["state"] == "after_cell":
+            kernel += f"variables as after cell [{facts['as_of_cell']}]"
+        elif facts["state"] == "last_suspend":
+            kernel += "variables as at its last suspend"
+        else:
+            kernel += "no variables saved"
+        if facts["cells_not_saved"]:
+            kernel += f", cells up to [{facts['last_completed_cell']}] lost"
+        if facts["interrupted"]:
+            kernel += f", {facts['interrupted']} cell(s) interrupted"
+        parts.append(kernel)
+    if lost.get("files_as_of"):
+        parts.append(f"files as saved at {_clock(lost['files_as_of'])} UTC, later writes lost")
+    return "; ".join(parts)[:2000]
 
 
 def notices(snapshot: dict[str, Any] | None, kernel_ids: list[str],
@@ -174,8 +208,7 @@ def notices(snapshot: dict[str, Any] | None, kernel_ids: list[str],
 
 
 def _notice(lost: dict[str, Any], facts: dict[str, Any], new_host: str) -> str:
-    at = str(lost.get("at") or "")
-    when = f"{at[:10]} {at[11:19]}"
+    when = _clock(lost.get("at"))
     lines = [f"nbfleet: the host this kernel ran on ({lost['host']}) was lost at {when} UTC "
              f"({lost['reason']}); the kernel was restarted on {new_host}."]
     as_of = facts["as_of_cell"]
@@ -197,4 +230,7 @@ def _notice(lost: dict[str, Any], facts: dict[str, Any], new_host: str) -> str:
     if interrupted:
         lines.append(f"{interrupted} cell(s) running or queued when the host was lost were "
                      "interrupted and not run again.")
+    if lost.get("files_as_of"):
+        lines.append(f"Its files are as the store held them at {_clock(lost['files_as_of'])} "
+                     "UTC: what its kernels wrote after that is lost.")
     return " ".join(lines) + "\n"

@@ -38,6 +38,8 @@ def register(session: Session, now: datetime, body: dict[str, Any]) -> int:
         session.add(Agent(id=body["id"], url=body["url"], boot_id=body["boot_id"],
                           inventory=body["inventory"], registered_at=now, last_heartbeat_at=now))
         return _end_placement_backoff(session)
+    # What the old boot's runtimes had saved of their files, as it last said.
+    files_as_of = agent.last_heartbeat_at - timedelta(seconds=agent.files_lag_s)
     agent.url = body["url"]
     agent.inventory = body["inventory"]
     agent.last_heartbeat_at = now
@@ -47,7 +49,9 @@ def register(session: Session, now: datetime, body: dict[str, Any]) -> int:
     agent.registered_at = now
     # A drained host that starts again was stopped and upgraded: it takes work.
     agent.draining_since = None
-    lost = runtimes_lost(session, agent.id, now, "host restarted", keep_boot=body["boot_id"])
+    agent.disk_short = False  # until it says
+    lost = runtimes_lost(session, agent.id, now, "host restarted", keep_boot=body["boot_id"],
+                         files_as_of=files_as_of)
     return lost + _end_placement_backoff(session)
 
 
@@ -72,16 +76,43 @@ def _end_placement_backoff(session: Session) -> int:
     return rows_affected(result)
 
 
-def heartbeat(session: Session, now: datetime, agent_id: str, boot_id: str) -> None:
+def heartbeat(session: Session, now: datetime, agent_id: str, boot_id: str,
+              files_lag_s: float = 0.0, disk_short: bool | None = None) -> None:
     """Record the host alive. Its row is locked first: a presumption of its death
     (:func:`dead_hosts_with_runtimes`) is decided before this heartbeat or after
-    it, never beside it, so :func:`stale_runtimes` in the same transaction sees it."""
+    it, never beside it, so :func:`stale_runtimes` in the same transaction sees it.
+    ``files_lag_s``: how far behind the store its clean runtimes' files are;
+    ``disk_short``: its disk is below the platform's reserve (None: not said)."""
     agent = session.get(Agent, agent_id, with_for_update=True)
     if agent is None:
         raise NotFound(f"unknown agent {agent_id}")
     if agent.boot_id != boot_id:
         raise Conflict("boot id changed: register again")
     agent.last_heartbeat_at = now
+    agent.files_lag_s = files_lag_s
+    if disk_short is not None:
+        agent.disk_short = disk_short
+
+
+def record_file_syncs(session: Session, agent_id: str, boot_id: str,
+                      unsynced: Sequence[tuple[str, float | None]], now: datetime) -> None:
+    """Keep, for each workspace this host runs, since when the store has lacked
+    files its kernels wrote (``unsynced``: workspace id, seconds, or None for
+    none). Only changes are written: an UPDATE that sets it where it was unset,
+    or clears it where it was set, matches nothing on a heartbeat that changes
+    nothing (one statement per workspace with unsynced files, one per chunk of
+    the others)."""
+    mine = (Workspace.host_id == agent_id, Workspace.host_boot_id == boot_id)
+    clean = [workspace_id for workspace_id, seconds in unsynced if seconds is None]
+    for start in range(0, len(clean), _CHUNK):
+        session.execute(update(Workspace).where(
+            Workspace.id.in_(clean[start:start + _CHUNK]), *mine,
+            Workspace.files_unsynced_since.is_not(None)).values(files_unsynced_since=None))
+    for workspace_id, seconds in unsynced:
+        if seconds is not None:
+            session.execute(update(Workspace).where(
+                Workspace.id == workspace_id, *mine, Workspace.files_unsynced_since.is_(None)
+            ).values(files_unsynced_since=now - timedelta(seconds=seconds)))
 
 
 @dataclass(frozen=True)
@@ -136,8 +167,14 @@ def kernel_died(session: Session, agent_id: str, workspace_id: str, reason: str)
 
 
 def runtimes_lost(session: Session, host_id: str, now: datetime, reason: str,
-                  keep_boot: str | None = None) -> int:
-    """Send the host's running workspaces back to ``resuming``."""
+                  keep_boot: str | None = None, files_as_of: datetime | None = None) -> int:
+    """Send the host's running workspaces back to ``resuming``. ``files_as_of``:
+    until when the store held every file of the runtimes that reported none
+    unsynced (default: the host's last heartbeat, less the lag it reported)."""
+    if files_as_of is None:
+        agent = session.get(Agent, host_id)
+        if agent is not None:
+            files_as_of = agent.last_heartbeat_at - timedelta(seconds=agent.files_lag_s)
     query = select(Workspace).where(
         Workspace.host_id == host_id, Workspace.state == WorkspaceState.RUNNING
     ).with_for_update()
@@ -146,7 +183,8 @@ def runtimes_lost(session: Session, host_id: str, now: datetime, reason: str,
         if keep_boot is not None and ws.host_boot_id == keep_boot:
             continue
         transition(session, ws, WorkspaceState.RESUMING, now, reason)
-        failover.mark_host_lost(ws, now, reason)
+        failover.mark_host_lost(ws, now, reason, ws.files_unsynced_since or files_as_of)
+        ws.files_unsynced_since = None  # its next placement starts from the store
         ws.pending = True
         lost += 1
     return lost
@@ -176,8 +214,8 @@ def draining_hosts(session: Session) -> set[str]:
 
 
 def host_loads(session: Session, now: datetime, timeout_s: float) -> list[HostLoad]:
-    """The hosts a new runtime may be placed on, with their loads: alive and not
-    draining."""
+    """The hosts a new runtime may be placed on, with their loads: alive, not
+    draining, and not short of disk."""
     counts = dict(
         session.execute(
             select(Workspace.host_id, func.count())
@@ -187,7 +225,7 @@ def host_loads(session: Session, now: datetime, timeout_s: float) -> list[HostLo
     )
     agents = session.execute(
         select(Agent).where(Agent.last_heartbeat_at >= alive_since(now, timeout_s),
-                            Agent.draining_since.is_(None))
+                            Agent.draining_since.is_(None), Agent.disk_short.is_(False))
     ).scalars()
     return [
         HostLoad(a.id, int(counts.get(a.id, 0)), int(a.inventory.get("millicpus", 1000)))

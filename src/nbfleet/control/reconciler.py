@@ -318,7 +318,12 @@ class Reconciler:
             ws = session.get(Workspace, work.workspace_id, with_for_update=True)
             if ws is None or ws.state != work.expect_state:
                 return False
-            transition(session, ws, work.step.done, now, f"{work.step.action} done")
+            done = f"{work.step.action} done"
+            if work.step.action is Action.PLACE:
+                # After a lost host: what it came back to, and what was rolled back.
+                back = failover.rolled_back(work.snapshot, [kid for kid, _ in work.kernels])
+                done = f"{done}: {back}" if back else done
+            transition(session, ws, work.step.done, now, done)
             if work.step.action is Action.PLACE:
                 ws.placed_generation = work.generation
             if result is not None:

@@ -207,6 +207,9 @@ class HostLoss(BaseModel):
     host: str | None
     at: str | None
     reason: str | None
+    #: Until when the store held every file its kernels wrote, as the host last
+    #: reported (None: not known): what they wrote after it was lost.
+    files_as_of: str | None = None
     kernels: dict[str, KernelLoss] = {}
 
 

@@ -18,6 +18,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    false,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -122,6 +123,10 @@ class Workspace(Base):
     snapshot: Mapped[dict[str, Any] | None]
     #: What the last resume restored, per kernel (shown to the user).
     restore: Mapped[dict[str, Any] | None]
+    #: Since when (DB clock) the store has lacked files its kernels wrote, as its
+    #: host last reported; None while the store holds them all. Written when that
+    #: changes, not at each heartbeat. What a lost host loses (``failover``).
+    files_unsynced_since: Mapped[datetime | None]
     #: The resolved resource request (a ``ResourceSpec``'s JSON), fixed at creation
     #: so a later change of the project's default leaves it alone. None: a row from
     #: before requests existed, which asked for nothing.
@@ -231,6 +236,11 @@ class Agent(Base):
     #: What the current drain did so far (reset when a drain starts).
     drain_moved: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     drain_suspended: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    #: How far behind the store the files of its runtimes with nothing unsynced
+    #: were at its last heartbeat, in seconds (about a sync interval).
+    files_lag_s: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
+    #: Its disk is below the reserve kept for the platform: no new placements.
+    disk_short: Mapped[bool] = mapped_column(default=False, server_default=false())
 
 
 class IdempotencyKey(Base):

@@ -369,6 +369,9 @@ class Heartbeat(BaseModel):
     #: their last round (about a sync interval): a host lost now loses what their
     #: kernels wrote in these last seconds.
     files_lag_s: float = Field(0.0, ge=0, le=1e9)
+    #: Its disk is below the reserve it keeps for the platform: it refuses new
+    #: workspaces, so placements go elsewhere (None: it has no disk quotas).
+    disk_short: bool | None = None
 
 
 class HeartbeatReply(BaseModel):

@@ -56,7 +56,12 @@ def agent_heartbeat(agent_id: str, body: Heartbeat, request: Request) -> Heartbe
     Older agents ignored the 204 this used to be, and ignore the body."""
     platform = platform_of(request)
     with platform.db.transaction() as session:
-        hosts.heartbeat(session, platform.db.now(session), agent_id, body.boot_id)
+        now = platform.db.now(session)
+        hosts.heartbeat(session, now, agent_id, body.boot_id, body.files_lag_s,
+                        body.disk_short)
+        hosts.record_file_syncs(session, agent_id, body.boot_id,
+                                [(r.workspace_id, r.files_unsynced_s) for r in body.runtimes],
+                                now)
         for death in body.kernel_deaths:
             hosts.kernel_died(session, agent_id, death.workspace_id,
                               f"kernel {death.kernel_id}: {death.reason}")
