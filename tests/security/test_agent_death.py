@@ -13,23 +13,19 @@ session, its parent gone) must not escape that either.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import tempfile
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import fresh_database
-from tests.support.cluster import Cluster, wait_until
+from tests.support.cluster import wait_until
 from tests.support.hostile import (
     NEEDS_BWRAP,
     PROLOGUE,
     descendants,
     kernel_host_pids,
     new_tenant,
-    platform_user,
 )
+from tests.support.sandboxed import platform_as
 
 pytestmark = [
     NEEDS_BWRAP,
@@ -61,28 +57,17 @@ def _running(pid: int) -> bool:
 
 @pytest.mark.parametrize("mode", ["root", "unprivileged"])
 def test_a_killed_agent_leaves_none_of_its_sandboxes_running(mode: str) -> None:
-    run_as = platform_user(mode)
-    # Outside /tmp: an unprivileged platform must reach its directories.
-    root = Path(tempfile.mkdtemp(prefix="nbf-death-", dir="/var/tmp"))
-    try:
-        with fresh_database(root) as url:
-            cluster = Cluster(root, url, run_as=run_as)
-            try:
-                cluster.start_control()
-                cluster.start_agent(args=("--sandbox", "bwrap"))
-                tenant = new_tenant(cluster, "crashed")
-                assert tenant.run(cluster, DETACH) == {"detached": True}
-                agent = cluster.agents.pop("agent1")
-                kernels = kernel_host_pids(agent.pid)
-                assert kernels, "no kernel found below the agent"
-                sandboxed = descendants(agent.pid)
-                # The kernel, its sandbox's processes and the detached one.
-                assert len(sandboxed) > len(kernels) + 1, sandboxed
-                os.kill(agent.pid, signal.SIGKILL)  # the agent only, not its group
-                agent.wait(30)
-                wait_until(lambda: not [pid for pid in sandboxed if _running(pid)], 15,
-                           0.1, "every sandboxed process gone")
-            finally:
-                cluster.stop()
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    with platform_as(mode, "nbf-death-") as cluster:
+        cluster.start_agent(args=("--sandbox", "bwrap"))
+        tenant = new_tenant(cluster, "crashed")
+        assert tenant.run(cluster, DETACH) == {"detached": True}
+        agent = cluster.agents.pop("agent1")
+        kernels = kernel_host_pids(agent.pid)
+        assert kernels, "no kernel found below the agent"
+        sandboxed = descendants(agent.pid)
+        # The kernel, its sandbox's processes and the detached one.
+        assert len(sandboxed) > len(kernels) + 1, sandboxed
+        os.kill(agent.pid, signal.SIGKILL)  # the agent only, not its group
+        agent.wait(30)
+        wait_until(lambda: not [pid for pid in sandboxed if _running(pid)], 15,
+                   0.1, "every sandboxed process gone")

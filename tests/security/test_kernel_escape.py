@@ -177,7 +177,10 @@ def test_the_victims_secret_never_appears_anywhere_the_attacker_can_read(
         field: Battlefield) -> None:
     """A search by content, not by path: grep what the sandbox can see for the
     victim's secret (bounded: the writable and usual places, 20,000 files)."""
+    # The secret is spelled backwards in the probe: the probe's own source (kept in
+    # the attacker's IPython history, in its home) must not be a hit.
     code = f"""import os, json
+needle = {SECRET[::-1]!r}[::-1].encode()
 hits, seen = [], 0
 def files():
     for top in ("/tmp", "/proc/self/cwd", "/home", "/root", "/run", "/var/tmp", "/dev/shm",
@@ -191,7 +194,7 @@ for path in files():
         break
     try:
         with open(path, "rb") as handle:
-            if {SECRET.encode()!r} in handle.read(1 << 20):
+            if needle in handle.read(1 << 20):
                 hits.append(path)
     except OSError:
         pass

@@ -13,7 +13,6 @@ worker threads were never told to stop and the interpreter waited for them).
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import tempfile
@@ -23,7 +22,6 @@ from pathlib import Path
 import pytest
 
 from nbfleet.agent.service import load_agent_id, local_id
-from tests.conftest import fresh_database
 from tests.support.cluster import (
     NBFLEET,
     Cluster,
@@ -33,7 +31,8 @@ from tests.support.cluster import (
     start_kernel,
     wait_state,
 )
-from tests.support.hostile import NEEDS_BWRAP, platform_user
+from tests.support.hostile import NEEDS_BWRAP
+from tests.support.sandboxed import mounts_under, platform_as, scratch_dir
 
 pytestmark = [
     NEEDS_BWRAP,
@@ -46,31 +45,10 @@ pytestmark = [
 AGENT_ARGS = ("--sandbox", "bwrap", "--workspace-disk", "64MiB")
 
 
-def _mounts_under(directory: str) -> list[str]:
-    with open("/proc/self/mountinfo") as handle:
-        return [line.split()[4] for line in handle
-                if line.split()[4].startswith(directory.rstrip("/") + "/")]
-
-
 @pytest.fixture(params=["root", "unprivileged"])
 def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
-    run_as = platform_user(request.param)
-    # Outside /tmp: an unprivileged platform must reach its directories.
-    root = Path(tempfile.mkdtemp(prefix="nbf-restart-", dir="/var/tmp"))
-    if run_as is not None:
-        os.chown(root, *run_as)
-    try:
-        with fresh_database(root) as url:
-            cluster = Cluster(root, url, run_as=run_as)
-            try:
-                cluster.start_control()
-                yield cluster
-            finally:
-                cluster.stop()
-    finally:
-        for point in sorted(_mounts_under(str(root)), key=len, reverse=True):
-            subprocess.run(["umount", "-l", point], capture_output=True, check=False)
-        shutil.rmtree(root, ignore_errors=True)
+    with platform_as(request.param, "nbf-restart-") as cluster:
+        yield cluster
 
 
 def test_an_agent_killed_with_its_mounts_in_place_starts_again(cluster: Cluster) -> None:
@@ -86,8 +64,8 @@ def test_an_agent_killed_with_its_mounts_in_place_starts_again(cluster: Cluster)
                            f"nbfleet-{local_id(load_agent_id(state_dir), state_dir)}")
     if os.geteuid() == 0 and cluster.run_as is None:
         # What made the restart fail: the slots' mounts, under both directories.
-        assert _mounts_under(sockets), "a root agent mounts a tmpfs per socket directory"
-        assert _mounts_under(state_dir)
+        assert mounts_under(sockets), "a root agent mounts a tmpfs per socket directory"
+        assert mounts_under(state_dir)
     agent = cluster.agents.pop("agent1")
     os.kill(agent.pid, signal.SIGKILL)  # the agent only: its mounts stay
     agent.wait(30)
@@ -101,16 +79,8 @@ def test_an_agent_killed_with_its_mounts_in_place_starts_again(cluster: Cluster)
 
 @pytest.fixture(params=["root", "unprivileged"])
 def home(request: pytest.FixtureRequest) -> Iterator[tuple[Path, tuple[int, int] | None]]:
-    run_as = platform_user(request.param)
-    root = Path(tempfile.mkdtemp(prefix="nbf-startup-", dir="/var/tmp"))
-    if run_as is not None:
-        os.chown(root, *run_as)
-    try:
-        yield root, run_as
-    finally:
-        for point in sorted(_mounts_under(str(root)), key=len, reverse=True):
-            subprocess.run(["umount", "-l", point], capture_output=True, check=False)
-        shutil.rmtree(root, ignore_errors=True)
+    with scratch_dir(request.param, "nbf-startup-") as made:
+        yield made
 
 
 def test_a_start_up_that_cannot_clear_its_leftovers_exits_with_the_reason(

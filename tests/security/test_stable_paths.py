@@ -11,15 +11,11 @@ the agent's state directory in all of them.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import fresh_database
 from tests.support.cluster import (
     Cluster,
     create_running,
@@ -28,7 +24,8 @@ from tests.support.cluster import (
     start_kernel,
     suspend,
 )
-from tests.support.hostile import NEEDS_BWRAP, platform_user
+from tests.support.hostile import NEEDS_BWRAP
+from tests.support.sandboxed import platform_as
 
 pytestmark = [NEEDS_BWRAP, pytest.mark.no_db, pytest.mark.timeout(300)]
 
@@ -45,20 +42,10 @@ print(json.dumps({"cwd": os.getcwd(), "home": os.environ["HOME"],
 
 @pytest.fixture(scope="module", params=["root", "unprivileged"])
 def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
-    run_as = platform_user(request.param)
-    root = Path(tempfile.mkdtemp(prefix="nbf-paths-", dir="/var/tmp"))
-    try:
-        with fresh_database(root) as url:
-            cluster = Cluster(root, url, run_as=run_as)
-            try:
-                cluster.start_control()
-                # A warm slot takes the workspace first; its resume gets another.
-                cluster.start_agent(warm_pool=1, args=("--sandbox", "bwrap"))
-                yield cluster
-            finally:
-                cluster.stop()
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    with platform_as(request.param, "nbf-paths-") as cluster:
+        # A warm slot may take the workspace first; its resume gets another.
+        cluster.start_agent(warm_pool=1, args=("--sandbox", "bwrap"))
+        yield cluster
 
 
 def _json(cluster: Cluster, client: Any, ws: str, kernel: str, code: str) -> Any:

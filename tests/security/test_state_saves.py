@@ -9,16 +9,12 @@ and the resume restored nothing, in silence.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.conftest import fresh_database
 from tests.support.cluster import (
     Cluster,
     create_running,
@@ -28,7 +24,8 @@ from tests.support.cluster import (
     suspend,
     wait_until,
 )
-from tests.support.hostile import NEEDS_BWRAP, platform_user
+from tests.support.hostile import NEEDS_BWRAP
+from tests.support.sandboxed import platform_as
 
 pytestmark = [
     NEEDS_BWRAP,
@@ -41,20 +38,10 @@ DISK_MIB = 48
 
 @pytest.fixture(scope="module", params=["root", "unprivileged"])
 def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
-    run_as = platform_user(request.param)
-    root = Path(tempfile.mkdtemp(prefix="nbf-saves-", dir="/var/tmp"))
-    try:
-        with fresh_database(root) as url:
-            cluster = Cluster(root, url, run_as=run_as)
-            try:
-                cluster.start_control()
-                cluster.start_agent(args=("--sandbox", "bwrap", "--kernel-memory", "1GiB",
-                                          "--workspace-disk", f"{DISK_MIB}MiB"))
-                yield cluster
-            finally:
-                cluster.stop()
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    with platform_as(request.param, "nbf-saves-") as cluster:
+        cluster.start_agent(args=("--sandbox", "bwrap", "--kernel-memory", "1GiB",
+                                  "--workspace-disk", f"{DISK_MIB}MiB"))
+        yield cluster
 
 
 def _out(cluster: Cluster, client: httpx.Client, ws: str, kernel: str, code: str) -> str:

@@ -499,10 +499,9 @@ class KernelProcess:
 
     def _forward(self, client: Client, message: ClientMessage) -> None:
         assert self.codec is not None
-        if message.channel == "shell" and message.msg_type == "execute_request":
-            self._cell_header = message.parts[0]
         if message.channel == "shell" and message.msg_type == "execute_request" \
                 and _changes_state(message):
+            self._cell_header = message.parts[0]  # a cell a user ran, not an inspector's
             if len(self.cells_pending) >= REQUESTER_LIMIT:  # a kernel that never replies
                 self.cells_pending.clear()
             self.cells_pending.add(message.msg_id)
