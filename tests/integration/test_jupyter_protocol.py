@@ -102,6 +102,24 @@ async def test_a_connection_that_does_not_stay_leaves_the_buffer_to_the_next(
 
 
 @pytest.mark.no_db
+async def test_output_after_a_reader_is_dropped_waits_for_the_next_one(
+        tmp_path: Path) -> None:
+    """Found in review: a client dropped for not reading stays attached until its
+    connection ends, and counted as the one that took the output, so what came
+    next reached nobody."""
+    kernel = KernelProcess(uuid.uuid4().hex, "ws_t", "python3", str(tmp_path), {},
+                           str(tmp_path / "conn"), output_buffer_bytes=1 << 20)
+    stuck = kernel.attach()
+    kernel.confirm(stuck)
+    for _ in range(3):  # 3 MiB to a client that reads nothing: over its 2 MiB bound
+        kernel.announce("x" * (1 << 20))
+    assert stuck.closed and stuck in kernel.clients
+    kernel.announce("after the drop\n")
+    fresh = kernel.attach()
+    assert texts(fresh)[-1:] == ["after the drop\n"]
+
+
+@pytest.mark.no_db
 async def test_a_connection_that_stays_a_second_or_speaks_keeps_what_it_was_given(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import nbfleet.agent.kernel_process as kernel_process

@@ -29,3 +29,21 @@ def test_quotas_still_open_on_a_host_short_of_disk(tmp_path: Path) -> None:
     quotas = DiskQuotas.open(str(tmp_path / "disks"), reserve_bytes=1 << 60)
     with pytest.raises(Conflict):
         quotas.check_reserve()
+
+
+def test_leftovers_a_tenant_made_unwritable_are_removed_all_the_same(tmp_path: Path) -> None:
+    """An unprivileged agent's kernels are its own uid: a kernel that left
+    ``chmod 0500`` (or 0000) directories must not keep the agent from starting."""
+    from nbfleet.agent.sandbox.quota import remove_leftovers
+
+    leftover = tmp_path / "runtimes"
+    locked = leftover / "ws" / "files" / "locked"
+    locked.mkdir(parents=True)
+    (locked / "a.txt").write_text("x")
+    hidden = leftover / "ws" / "files" / "hidden"
+    hidden.mkdir()
+    (hidden / "b.txt").write_text("y")
+    os.chmod(locked, 0o500)
+    os.chmod(hidden, 0)
+    remove_leftovers(str(leftover))
+    assert not leftover.exists()

@@ -104,3 +104,31 @@ def test_a_client_that_reads_gets_everything_and_its_count_comes_back_down() -> 
         assert not client.closed and client.queued_bytes == 0
 
     asyncio.run(scenario())
+
+
+def test_the_backlog_hands_messages_over_in_the_order_they_came() -> None:
+    backlog = Backlog(max_bytes=1 << 20)
+    sent = []
+    for index in range(30):
+        message = reply() if index % 3 == 0 else stream(f"line {index}")
+        backlog.append(message)
+        sent.append(message)
+    assert list(backlog) == sent
+
+
+def test_a_backlog_full_of_statuses_still_drops_output_first() -> None:
+    """Statuses a kernel floods the backlog with are kept over output; once only
+    they are left, the oldest of them go (the count bound)."""
+    backlog = Backlog(max_bytes=1 << 30, max_messages=100)
+    status = KernelMessage("iopub", "s", "status", "cell-1",
+                           [b"{}", PARENT, b"{}", b'{"execution_state": "busy"}'])
+    for _ in range(99):
+        backlog.append(status)
+    backlog.append(stream("last words"))
+    backlog.append(stream("newer"))  # over the count: the oldest output goes
+    kept = list(backlog)
+    assert len(kept) == 100 and kept[-1].content_raw == stream("newer").content_raw
+    assert sum(m.msg_type == "stream" for m in kept) == 1
+    for _ in range(5):
+        backlog.append(status)
+    assert len(backlog) == 100 and all(m.msg_type == "status" for m in backlog)

@@ -574,7 +574,9 @@ class KernelProcess:
             self._internal[msg_id] = state
 
     def _broadcast(self, message: KernelMessage) -> None:
-        if not any(client.confirmed for client in self.clients):
+        # A client dropped for not reading (closed) is still attached until its
+        # connection ends: it takes nothing, so it must not stand for "delivered".
+        if not any(client.confirmed and not client.closed for client in self.clients):
             self._backlog.append(message)
         for client in list(self.clients):
             client.offer(message)

@@ -16,6 +16,7 @@ end.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import json
 import logging
 import uuid
@@ -75,13 +76,20 @@ def _droppable(message: KernelMessage) -> bool:
 
 
 class Backlog:
-    """Messages no client that stayed has taken yet, oldest first."""
+    """Messages no client that stayed has taken yet, oldest first.
+
+    Output and the rest (replies, statuses) are kept apart, each in order with a
+    sequence number, so that dropping the oldest output is O(1) whatever a kernel
+    sends: a scan for it would cost the agent's one event loop 10,000 steps a
+    message once a kernel had filled the backlog with statuses."""
 
     def __init__(self, max_bytes: int = DEFAULT_OUTPUT_BUFFER_BYTES,
                  max_messages: int = MESSAGE_LIMIT) -> None:
         self.max_bytes = max_bytes
         self.max_messages = max_messages
-        self._messages: deque[tuple[KernelMessage, int]] = deque()
+        self._output: deque[tuple[int, KernelMessage, int]] = deque()
+        self._kept: deque[tuple[int, KernelMessage, int]] = deque()
+        self._seq = 0
         self.bytes = 0
         self.dropped_messages = 0
         self.dropped_bytes = 0
@@ -89,25 +97,25 @@ class Backlog:
         self._dropped_parent = b"{}"
 
     def __len__(self) -> int:
-        return len(self._messages)
+        return len(self._output) + len(self._kept)
 
     def __iter__(self) -> Iterator[KernelMessage]:
-        return (message for message, _ in self._messages)
+        return (message for _, message, _ in heapq.merge(self._output, self._kept,
+                                                         key=lambda entry: entry[0]))
 
     def append(self, message: KernelMessage) -> None:
         size = size_of(message)
-        self._messages.append((message, size))
+        self._seq += 1
+        (self._output if _droppable(message) else self._kept).append(
+            (self._seq, message, size))
         self.bytes += size
-        while self._messages and (self.bytes > self.max_bytes
-                                  or len(self._messages) > self.max_messages):
+        while len(self) and (self.bytes > self.max_bytes or len(self) > self.max_messages):
             self._drop_oldest()
 
     def _drop_oldest(self) -> None:
         """The oldest output goes first; a reply or a status only once no output is
         left to drop (a kernel can send huge ones too)."""
-        index = next((i for i, (m, _) in enumerate(self._messages) if _droppable(m)), 0)
-        message, size = self._messages[index]
-        del self._messages[index]
+        _, message, size = (self._output or self._kept).popleft()
         self.bytes -= size
         self.dropped_messages += 1
         self.dropped_bytes += size
@@ -127,7 +135,8 @@ class Backlog:
 
     def clear(self) -> None:
         """A client that stayed took everything, the notice included."""
-        self._messages.clear()
+        self._output.clear()
+        self._kept.clear()
         self.bytes = 0
         self.dropped_messages = self.dropped_bytes = 0
         self._dropped_parent = b"{}"

@@ -40,6 +40,9 @@ class Runtime:
     syncing: asyncio.Task[None] | None = None
     #: That sync's loop: how far behind the store is (``livesync``).
     file_sync: LiveSync | None = None
+    #: When it was made (``time.monotonic``): without a live sync, what its kernels
+    #: wrote since is in the store only at its suspend.
+    started: float = field(default_factory=time.monotonic)
 
     @property
     def workdir(self) -> str:

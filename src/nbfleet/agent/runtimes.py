@@ -325,7 +325,8 @@ class RuntimeManager:
         lag, behind = 0.0, {}
         for workspace_id, runtime in self.runtimes.items():
             sync = runtime.file_sync
-            if sync is None:
+            if sync is None:  # no live sync (--file-sync-interval 0)
+                behind[workspace_id] = max(0.0, now - runtime.started)
                 continue
             if sync.clean:
                 lag = max(lag, now - sync.synced_at)

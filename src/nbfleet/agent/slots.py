@@ -125,8 +125,9 @@ class Slot:
             if slot.disk is not None:
                 assert isolation.quotas is not None
                 statefs = os.path.join(slot.root, "statefs")
-                slot.state_disk = isolation.quotas.create(f"{name}-state", statefs,
-                                                          state_disk_bytes(), few_files=True)
+                slot.state_disk = isolation.quotas.create(
+                    f"{name}-state", statefs, state_disk_bytes(limits.memory_bytes),
+                    few_files=True)
                 os.chmod(statefs, 0o755)
             for path in (*slot.owned, slot.sockets):
                 os.makedirs(path, exist_ok=True)
@@ -268,10 +269,13 @@ class KernelPaths:
 #: The fixed layout in the sandbox: the same in every slot, so a path a notebook
 #: holds (``os.getcwd()``, ``Path("data.csv").resolve()``, ``sys.path``, a module's
 #: ``__file__``) stays true after a resume, a move or a failover, and no path of the
-#: host's shows. Under /home, which the sandbox hides under a tmpfs of its own.
-INSIDE = KernelPaths(files="/home/nbfleet/work", home="/home/nbfleet",
-                     packages="/home/nbfleet/.nbfleet/packages",
-                     state="/home/nbfleet/.nbfleet/state")
+#: host's shows. Under /home, which the sandbox hides under a fresh tmpfs of its own.
+#: No mount point lies inside a directory the tenant can write: the root agent's
+#: bubblewrap makes them, and follows symlinks in their paths, so a link a kernel
+#: planted in its home (``~/work -> /usr/bin``) would have it bind the tenant's
+#: files over the host's programs in the view where it then runs ``setpriv``.
+INSIDE = KernelPaths(files="/home/work", home="/home/nbfleet",
+                     packages="/home/.nbfleet/packages", state="/home/.nbfleet/state")
 
 
 def kernel_paths(slot: Slot, sandbox: Sandbox | None) -> tuple[KernelPaths,

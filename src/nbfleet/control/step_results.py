@@ -72,6 +72,8 @@ def record(ws: Workspace, work: Work, result: RuntimePlaced | RuntimeSuspended,
            now: datetime) -> None:
     """Keep what an agent reported: the snapshot a suspend saved, what a resume restored."""
     kernel_ids = {kid for kid, _ in work.kernels}
+    # A new runtime starts from the store; its host reports from its first heartbeat.
+    ws.files_unsynced_since = None
     if work.step.action is Action.PLACE and isinstance(result, RuntimePlaced):
         ws.restore = restore_summary(work, result, now)
         ws.snapshot = failover.settle(ws.snapshot)

@@ -20,8 +20,10 @@ import contextlib
 import logging
 import os
 import shutil
+import stat
 import subprocess
 from dataclasses import dataclass
+from typing import Any
 
 from nbfleet.model.errors import Conflict
 from nbfleet.model.limits import format_size
@@ -35,13 +37,15 @@ _MKFS = ("-q", "-F", "-m", "0", "-E", "nodiscard,lazy_itable_init=1,lazy_journal
 _FEW_FILES_MKFS = ("-i", str(1 << 20))
 
 
-def state_disk_bytes() -> int:
+def state_disk_bytes(memory_limit: int | None) -> int:
     """The size of a slot's state filesystem, where its kernels write the state a
     suspend, a move or a checkpoint saves. That state is the kernels' memory
     pickled, so no limit on the workspace's files may refuse it: it is sized from
-    the host's memory (twice over, for the previous snapshot beside the new); thin,
-    it costs the host only what is written."""
-    return 2 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") + (256 << 20)
+    the slot's memory limit (the host's memory where it has none), twice over, for
+    the previous snapshot beside the new. Thin, it costs the host only what is
+    written; bounded, a tenant that writes junk there fills only its own."""
+    memory = memory_limit or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return 2 * memory + (256 << 20)
 
 
 class QuotasUnavailable(RuntimeError):
@@ -118,12 +122,26 @@ def remove_leftovers(directory: str) -> None:
         return
     try:
         if os.path.isdir(directory) and not os.path.islink(directory):
-            shutil.rmtree(directory)
+            shutil.rmtree(directory, onerror=_writable_and_again)
         else:
             os.unlink(directory)
     except OSError as exc:
         raise LeftoversRemain(f"cannot remove what a previous run left at {directory}: "
                               f"{exc.strerror or exc} ({exc.filename or directory})") from exc
+
+
+def _writable_and_again(_function: Any, path: str, _info: Any) -> None:
+    """A tenant's kernel may have made a directory of its own unwritable (an
+    unprivileged agent's kernels are its own uid): the agent, its owner, makes it
+    writable again and retries, or a ``chmod 0500`` would keep the agent from ever
+    starting. Anything else (another user's, a read-only mount) still fails."""
+    with contextlib.suppress(FileNotFoundError):
+        os.chmod(os.path.dirname(path), stat.S_IRWXU)
+        if os.path.isdir(path) and not os.path.islink(path):
+            os.chmod(path, stat.S_IRWXU)
+            shutil.rmtree(path, onerror=_writable_and_again)
+        else:
+            os.unlink(path)
 
 
 class DiskQuotas:
