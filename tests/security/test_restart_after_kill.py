@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from nbfleet.agent.sandbox.quota import mounts_under
 from nbfleet.agent.service import load_agent_id, local_id
 from tests.support.cluster import (
     NBFLEET,
@@ -32,7 +33,7 @@ from tests.support.cluster import (
     wait_state,
 )
 from tests.support.hostile import NEEDS_BWRAP
-from tests.support.sandboxed import mounts_under, platform_as, scratch_dir
+from tests.support.sandboxed import platform_as, scratch_dir
 
 pytestmark = [
     NEEDS_BWRAP,

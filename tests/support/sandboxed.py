@@ -13,15 +13,10 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from nbfleet.agent.sandbox.quota import mounts_under
 from tests.conftest import fresh_database
 from tests.support.cluster import Cluster
 from tests.support.hostile import platform_user
-
-
-def mounts_under(directory: str) -> list[str]:
-    with open("/proc/self/mountinfo") as handle:
-        return [line.split()[4] for line in handle
-                if line.split()[4].startswith(directory.rstrip("/") + "/")]
 
 
 @contextlib.contextmanager
@@ -34,7 +29,7 @@ def scratch_dir(mode: str, prefix: str) -> Iterator[tuple[Path, tuple[int, int] 
     try:
         yield root, run_as
     finally:
-        for point in sorted(mounts_under(str(root)), key=len, reverse=True):
+        for point in mounts_under(str(root)):  # deepest first
             subprocess.run(["umount", "-l", point], capture_output=True, check=False)
         shutil.rmtree(root, ignore_errors=True)
 

@@ -338,8 +338,7 @@ class AgentService:
                                                files_unsynced_s=behind.get(ws))
                                    for ws, generation in held.items()],
                          files_lag_s=lag,
-                         disk_short=(quotas.free_bytes() < quotas.reserve_bytes
-                                     if quotas is not None else None))
+                         disk_short=quotas.short()[0] if quotas is not None else None)
         sent = time.monotonic()
         response = await self._http.post(f"/internal/agents/{self.agent_id}/heartbeat",
                                          json=body.model_dump(mode="json"))

@@ -39,7 +39,7 @@ def register(session: Session, now: datetime, body: dict[str, Any]) -> int:
                           inventory=body["inventory"], registered_at=now, last_heartbeat_at=now))
         return _end_placement_backoff(session)
     # What the old boot's runtimes had saved of their files, as it last said.
-    files_as_of = agent.last_heartbeat_at - timedelta(seconds=agent.files_lag_s)
+    files_as_of = _files_as_of(agent)
     agent.url = body["url"]
     agent.inventory = body["inventory"]
     agent.last_heartbeat_at = now
@@ -166,6 +166,12 @@ def kernel_died(session: Session, agent_id: str, workspace_id: str, reason: str)
         ws.last_error = reason[:2000]
 
 
+def _files_as_of(agent: Agent) -> datetime:
+    """Until when the store held every file of the host's runtimes that reported
+    none unsynced: its last heartbeat, less the lag it reported then."""
+    return agent.last_heartbeat_at - timedelta(seconds=agent.files_lag_s)
+
+
 def runtimes_lost(session: Session, host_id: str, now: datetime, reason: str,
                   keep_boot: str | None = None, files_as_of: datetime | None = None) -> int:
     """Send the host's running workspaces back to ``resuming``. ``files_as_of``:
@@ -174,7 +180,7 @@ def runtimes_lost(session: Session, host_id: str, now: datetime, reason: str,
     if files_as_of is None:
         agent = session.get(Agent, host_id)
         if agent is not None:
-            files_as_of = agent.last_heartbeat_at - timedelta(seconds=agent.files_lag_s)
+            files_as_of = _files_as_of(agent)
     query = select(Workspace).where(
         Workspace.host_id == host_id, Workspace.state == WorkspaceState.RUNNING
     ).with_for_update()

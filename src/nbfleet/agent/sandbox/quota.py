@@ -193,14 +193,16 @@ class DiskQuotas:
             os.rmdir(os.path.join(mountpoint, "lost+found"))
         return disk
 
-    def free_bytes(self) -> int:
-        return shutil.disk_usage(self.images_dir).free
+    def short(self) -> tuple[bool, int]:
+        """Whether the host's free disk is below the reserve, and how much is free."""
+        free = shutil.disk_usage(self.images_dir).free
+        return free < self.reserve_bytes, free
 
     def check_reserve(self) -> None:
         """Refuse a new slot while the host's free disk is below the reserve: what
         kernels write could otherwise fill the disk the platform runs on."""
-        free = self.free_bytes()
-        if free < self.reserve_bytes:
+        short, free = self.short()
+        if short:
             raise Conflict(
                 f"this host is short of disk for another workspace: {format_size(free)} "
                 f"free, and {format_size(self.reserve_bytes)} stay reserved for the "
