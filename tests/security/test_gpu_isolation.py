@@ -153,6 +153,8 @@ async def test_a_gpu_held_open_after_its_cell_stays_its_slots(
     runtimes, reported = agent
     holder = await gpu_kernel(runtimes, "ws_holder")
     other = await gpu_kernel(runtimes, "ws_other")
+    held: list[str] = []
+    holder.bindings.on_held = held.extend
     request = bound(holder, "import os\nkept = os.open('/dev/nvidia0', os.O_PATH)\n", 0)
     reply, out = await run(holder, holder.attach(), request)
     assert reply["status"] == "ok", out
@@ -161,7 +163,8 @@ async def test_a_gpu_held_open_after_its_cell_stays_its_slots(
     assert [(a.binding.task_id, a.held) for a in holder.bindings.active(holder.id)] == \
         [(task, True)]
     assert task not in reported
-    # Bound to GPU 0 by a control plane that released it at the reply: refused here.
+    await until(lambda: held == [task])  # told once: the control plane keeps it committed
+    # Bound to GPU 0 by a control plane that did not wait for the agent: refused here.
     seen = await probe(other, 0)
     assert seen["nvidia0"] == "refused" and seen["nvidia1"] == "refused", seen
     assert task not in reported

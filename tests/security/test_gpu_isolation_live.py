@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from nbfleet.agent.sandbox.devices import DEVICE_DIR_ENV, NVIDIA_MAJOR
@@ -102,16 +103,21 @@ def _last_json(stdout: str) -> dict[str, Any]:
     return found
 
 
-def test_a_cell_opens_only_its_own_gpu_and_none_after_its_release(cluster: Cluster) -> None:
+def _gpu_workspace(cluster: Cluster, name: str) -> tuple[httpx.Client, str, str]:
+    """A funded tenant's running one-GPU workspace: (its client, its id, a kernel)."""
     tenant = new_tenant(cluster)
     grant(cluster, tenant, 1000 * CREDIT)
     client = tenant.client
     response = client.post("/v1/workspaces", json={
-        "name": "hostile", "resources": {"gpus": 1, "gpu_types": ["A100-80GB"]}})
+        "name": name, "resources": {"gpus": 1, "gpu_types": ["A100-80GB"]}})
     assert response.status_code == 201, response.text
     workspace_id = response.json()["id"]
     wait_state(client, workspace_id, "running")
-    kernel_id = start_kernel(client, workspace_id)
+    return client, workspace_id, start_kernel(client, workspace_id)
+
+
+def test_a_cell_opens_only_its_own_gpu_and_none_after_its_release(cluster: Cluster) -> None:
+    client, workspace_id, kernel_id = _gpu_workspace(cluster, "hostile")
     agents = cluster.admin().get("/v1/admin/agents").json()["items"]
     report = agents[0]["inventory"]["isolation"]["gpus"]
 
@@ -136,5 +142,44 @@ def test_a_cell_opens_only_its_own_gpu_and_none_after_its_release(cluster: Clust
         assert report["active"] is False and "no device cgroup" in report["detail"], report
         assert bound["seen"][other] == "reachable", bound
         assert released["seen"][mine] == "reachable", released
+    client.delete(f"/v1/workspaces/{workspace_id}")
+    wait_state(client, workspace_id, "deleted")
+
+
+#: Keeps its GPU open past the reply (as a CUDA context does), and says which it is.
+HOLD = """
+import os
+kept = os.open('/dev/nvidia' + os.environ['CUDA_VISIBLE_DEVICES'], os.O_PATH)
+print(os.environ['CUDA_VISIBLE_DEVICES'])
+"""
+
+
+def _cells_of(cluster: Cluster, workspace_id: str) -> list[dict[str, Any]]:
+    running = cluster.admin().get("/v1/admin/fleet").json()["running"]
+    return [cell for cell in running if cell["workspace_id"] == workspace_id]
+
+
+def test_a_gpu_held_after_its_cell_stays_committed_and_the_next_cell_takes_it_over(
+        cluster: Cluster) -> None:
+    """The control plane releases a cell's GPUs when the agent reports them closed,
+    not at the reply: a GPU still open in the slot stays committed (and metered) to
+    it, and the kernel's next cell, on a new connection, takes it over at once."""
+    client, workspace_id, kernel_id = _gpu_workspace(cluster, "holder")
+
+    first = run_cell(cluster, client, workspace_id, kernel_id, HOLD)
+    assert first.status == "ok", first.outputs
+    gpu = first.stdout.strip()
+    if cluster.run_as is None:
+        held = wait_until(lambda: [c for c in _cells_of(cluster, workspace_id) if c["held"]],
+                          30, 0.1, "the agent's report that the GPU is still open")
+        assert held[0]["replied"] is True and held[0]["gpus"] == [int(gpu)], held
+        second = run_cell(cluster, client, workspace_id, kernel_id,
+                          "import os\nprint(os.environ['CUDA_VISIBLE_DEVICES'])\nos.close(kept)")
+        assert second.status == "ok", second.outputs
+        assert second.stdout.strip() == gpu, "the held GPU is the next cell's"
+        assert held[0]["cell"] not in {c["cell"] for c in _cells_of(cluster, workspace_id)}
+    # Closed (or, with no device cgroup, never tracked): nothing stays committed.
+    wait_until(lambda: not _cells_of(cluster, workspace_id), 30, 0.1,
+               "the cell's release once its GPU is closed")
     client.delete(f"/v1/workspaces/{workspace_id}")
     wait_state(client, workspace_id, "deleted")

@@ -9,12 +9,14 @@ and the resume restored nothing, in silence.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
+from nbfleet.sdk.kernel_socket import KernelSocket
 from tests.support.cluster import (
     Cluster,
     create_running,
@@ -22,6 +24,7 @@ from tests.support.cluster import (
     run_cell,
     start_kernel,
     suspend,
+    token_of,
     wait_until,
 )
 from tests.support.hostile import NEEDS_BWRAP
@@ -96,3 +99,70 @@ def test_a_namespace_larger_than_the_workspace_disk_is_saved(cluster: Cluster) -
     assert "x" in restored["restored"], restored
     assert _out(cluster, client, ws, kernel,
                 "print(hashlib.sha256(x).hexdigest())") == digest
+
+
+#: The tenant puts a directory where the kernel writes its state's manifest: every
+#: checkpoint (and suspend) of it fails until it is removed, as a full disk would.
+BLOCK = ("import os\nd = os.environ['NBFLEET_STATE_DIR']\n"
+         "if os.path.isfile(d + '/manifest.json'):\n    os.remove(d + '/manifest.json')\n"
+         "os.makedirs(d + '/manifest.json/x')\ny = 2\n")
+
+
+def test_a_cell_checkpoint_that_cannot_be_written_is_told_and_reported(
+        cluster: Cluster) -> None:
+    """Measured before: a checkpoint that failed was only logged by the agent; the
+    workspace claimed nothing, and a lost host brought back an older state than the
+    user believed. Now the cell's output says so, and so does the workspace (its
+    last error and ``snapshot.checkpoint_failures``), until a checkpoint is kept."""
+    client = cluster.new_user(org="unchecked", project="p")
+    ws = create_running(client)
+    kernel = start_kernel(client, ws)
+    _out(cluster, client, ws, kernel, "x = 1")
+
+    def snapshot() -> dict[str, Any]:
+        found: dict[str, Any] = client.get(f"/v1/workspaces/{ws}").json()
+        return found
+
+    wait_until(lambda: snapshot()["snapshot"] and snapshot()["snapshot"]["cells"].get(kernel),
+               60, 0.2, "the first cell's checkpoint")
+    kept = snapshot()["snapshot"]["cells"][kernel]
+
+    async def failing_cell() -> list[str]:
+        sock = await KernelSocket.connect(cluster.channels_url(ws, kernel), token_of(client))
+        try:
+            request = sock.message("execute_request", {
+                "code": BLOCK, "silent": False, "store_history": True,
+                "user_expressions": {}, "allow_stdin": False, "stop_on_error": True}, "shell")
+            await sock.send(request)
+            msg_id = request["header"]["msg_id"]
+            result = await sock.collect(msg_id)
+            assert result.status == "ok", result.outputs
+            told: list[str] = []
+            deadline = asyncio.get_running_loop().time() + 60
+            while not told and asyncio.get_running_loop().time() < deadline:
+                msg = await sock.receive(60)
+                if (msg["msg_type"] == "stream" and msg["parent_header"].get("msg_id") == msg_id
+                        and "could not be checkpointed" in msg["content"]["text"]):
+                    told.append(msg["content"]["text"])
+            return told
+        finally:
+            await sock.close()
+
+    told = asyncio.run(failing_cell())
+    assert told and "IsADirectoryError" in told[0], told
+    body = wait_until(lambda: (lambda b: b if b["last_error"] else None)(snapshot()), 60, 0.2,
+                      "the failure on the workspace")
+    assert "checkpoint" in body["last_error"] and "IsADirectoryError" in body["last_error"]
+    assert f"as of cell {kept}" in body["last_error"], body["last_error"]
+    failure = body["snapshot"]["checkpoint_failures"][kernel]
+    assert failure["cell"] > kept and "IsADirectoryError" in failure["reason"], failure
+    assert body["snapshot"]["cells"][kernel] == kept, "the older state is still the kept one"
+    assert body["state"] == "running"
+
+    # Put right: the next checkpoint is kept and clears both.
+    _out(cluster, client, ws, kernel, "import shutil\nshutil.rmtree(d + '/manifest.json')\nz = 3")
+    cleared = wait_until(
+        lambda: (lambda b: b if not b["last_error"]
+                 and not b["snapshot"]["checkpoint_failures"] else None)(snapshot()),
+        60, 0.2, "a kept checkpoint to clear the failure")
+    assert cleared["snapshot"]["cells"][kernel] > failure["cell"], cleared["snapshot"]

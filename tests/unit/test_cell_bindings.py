@@ -155,7 +155,7 @@ async def test_release_queue_batches_and_retries_until_taken(
     sent: list[list[str]] = []
     failures = 2
 
-    async def send(task_ids: list[str]) -> None:
+    async def send(task_ids: list[str], held: list[str]) -> None:
         nonlocal failures
         if failures:
             failures -= 1
@@ -200,11 +200,34 @@ async def test_the_reporter_posts_released_cells_and_treats_404_as_done() -> Non
     async with httpx.AsyncClient(transport=httpx.MockTransport(handle),
                                  base_url="http://control") as http:
         reporter = ControlReporter(http, "host_1", "boot_1")
-        await reporter.released(["t1", "t2"])
-        await reporter.released(["t3"])  # 404: nothing to do, not retried
-        await reporter.released(["t4"])  # refused as malformed: retrying cannot help
+        await reporter.released(["t1", "t2"], [])
+        await reporter.released(["t3"], [])  # 404: nothing to do, not retried
+        await reporter.released(["t4"], [])  # refused as malformed: retrying cannot help
         with pytest.raises(httpx.HTTPStatusError):
-            await reporter.released(["t5"])  # anything else: raised, so retried
+            await reporter.released(["t5"], [])  # anything else: raised, so retried
     assert seen[0] == ("/internal/agents/host_1/released",
                        ReleasedCells(agent_id="host_1", task_ids=["t1", "t2"]).model_dump())
     assert [body["task_ids"] for _, body in seen] == [["t1", "t2"], ["t3"], ["t4"], ["t5"]]
+
+
+async def test_a_hold_is_reported_then_its_release_which_a_hold_never_undoes() -> None:
+    sent: list[tuple[list[str], list[str]]] = []
+    gate = asyncio.Event()
+
+    async def send(task_ids: list[str], held: list[str]) -> None:
+        sent.append((task_ids, held))
+        await gate.wait()
+
+    queue = ReleaseQueue()
+    queue.hold(["t1"])
+    queue.put(["t2"])
+    sending = asyncio.create_task(queue.send_once(send))
+    await asyncio.sleep(0)
+    queue.put(["t1"])  # t1's GPU closed while its hold was being reported
+    queue.hold(["t2"])  # a late hold never turns a release back into a hold
+    gate.set()
+    await sending
+    assert sent == [(["t2"], ["t1"])]
+    assert queue.pending() == ["t1"], "the release that came during the send stays"
+    await queue.send_once(send)
+    assert sent[-1] == (["t1"], [])

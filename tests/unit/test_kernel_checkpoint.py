@@ -49,7 +49,7 @@ def _saved_names(session: Session) -> set[str]:
 def test_a_checkpoint_between_cells_is_what_a_flush_would_write(session: Session) -> None:
     session.cell("shared = [1, 2]\npair = (shared, shared)\nx = 41")
     session.capture.request_checkpoint(1)
-    assert _mark(session, 1) == {"seq": 1, "ok": True, "reason": None}
+    assert _mark(session, 1) == {"seq": 1, "ok": True, "reason": None, "abandoned": False}
     assert {"shared", "pair", "x"} <= _saved_names(session)
     # A mutation the cell scan cannot see is still caught: the check is exact.
     session.cell("def grow():\n    shared.append(3)", pause=True)
@@ -68,7 +68,8 @@ def test_a_cell_that_starts_first_abandons_the_checkpoint(session: Session) -> N
     epoch = capture._epoch  # the request is taken here, between cells...
     session.cell("big += 1\ny = 2")  # ...and a cell starts before the thread gets to it
     capture._queue.put(_Checkpoint(epoch, 3))
-    assert _mark(session, 3) == {"seq": 3, "ok": False, "reason": "a cell started"}
+    assert _mark(session, 3) == {"seq": 3, "ok": False, "reason": "a cell started",
+                                 "abandoned": True}
     assert not (session.state_dir / "manifest.json").exists()  # nothing torn written
     capture.request_checkpoint(4)
     assert _mark(session, 4)["ok"] is True

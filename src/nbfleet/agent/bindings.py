@@ -43,7 +43,7 @@ PENDING_LIMIT = 100_000
 #: Task ids per report (``ReleasedCells`` accepts up to 10 000).
 BATCH_LIMIT = 1000
 #: How long a release waits for others to share its report (see ``drain_forever``).
-GATHER_S = 0.25
+GATHER_S = 0.005
 BACKOFF_START_S = 0.5
 BACKOFF_MAX_S = 30.0
 
@@ -98,6 +98,8 @@ class KernelBindings:
         #: Ended cells whose GPUs the slot still holds open, by task id (with msg_id).
         self._held: dict[str, tuple[str, _Bound]] = {}
         self.on_release: Callable[[list[str]], None] = lambda task_ids: None
+        #: Told the cells that ended with a GPU still open in the slot (not released).
+        self.on_held: Callable[[list[str]], None] = lambda task_ids: None
         #: The slot's GPUs (None: no GPU nodes in the slot, or no slot).
         self.gpus: SlotGpus | None = None
 
@@ -157,13 +159,21 @@ class KernelBindings:
                 continue
             self._held[task_id] = (msg_id, bound)
             self.gpus.release(task_id, bound.binding.gpu_indices,
-                              functools.partial(self._closed, task_id))
+                              functools.partial(self._closed, task_id),
+                              functools.partial(self._still_held, task_id))
         if now:
             self._release(now)
 
     def _closed(self, task_id: str) -> None:
         if self._held.pop(task_id, None) is not None:
             self._release([task_id])
+
+    def _still_held(self, task_id: str) -> None:
+        if task_id in self._held:
+            try:
+                self.on_held([task_id])
+            except Exception:  # a reporting fault must never break the kernel's relay
+                log.exception("could not queue the hold of %s", task_id)
 
     def _release(self, task_ids: list[str]) -> None:
         try:
@@ -172,17 +182,24 @@ class KernelBindings:
             log.exception("could not queue the release of %s", task_ids)
 
 
+#: Sends one report: the cells released, and those that ended with a GPU still
+#: held; returns once the control plane took it, raises to have it retried.
+Send = Callable[[list[str], list[str]], Awaitable[None]]
+
+
 class ReleaseQueue:
     """Task ids whose bindings ended, waiting to be told to the control plane.
 
-    :meth:`put` never blocks and never fails, so kernels call it directly;
-    :meth:`drain_forever` sends what accumulated, a batch at a time, retrying
-    with backoff. ``send`` returns normally when the control plane took the
-    batch (or had nothing to do with it, e.g. 404) and raises to have it retried.
+    :meth:`put` (released) and :meth:`hold` (ended, a GPU still open) never block
+    and never fail, so kernels call them directly; :meth:`drain_forever` sends what
+    accumulated, a batch at a time, retrying with backoff. ``send`` returns
+    normally when the control plane took the batch (or had nothing to do with it,
+    e.g. 404) and raises to have it retried.
     """
 
     def __init__(self) -> None:
-        self._pending: dict[str, None] = {}  # ordered and deduplicated
+        #: task id -> only held (True) or released (False); ordered and deduplicated.
+        self._pending: dict[str, bool] = {}
         self._wake = asyncio.Event()
 
     def __len__(self) -> int:
@@ -190,7 +207,15 @@ class ReleaseQueue:
 
     def put(self, task_ids: Iterable[str]) -> None:
         for task_id in task_ids:
-            self._pending[task_id] = None
+            self._pending[task_id] = False  # a release says all a hold said
+        self._bound()
+
+    def hold(self, task_ids: Iterable[str]) -> None:
+        for task_id in task_ids:
+            self._pending.setdefault(task_id, True)
+        self._bound()
+
+    def _bound(self) -> None:
         overflow = len(self._pending) - PENDING_LIMIT
         if overflow > 0:
             log.warning("dropping %d unreported GPU releases", overflow)
@@ -202,20 +227,22 @@ class ReleaseQueue:
     def pending(self) -> list[str]:
         return list(self._pending)
 
-    async def send_once(self, send: Callable[[list[str]], Awaitable[None]]) -> None:
-        """Send the oldest batch; it leaves the queue only once ``send`` returns."""
-        batch = list(itertools.islice(self._pending, BATCH_LIMIT))
+    async def send_once(self, send: Send) -> None:
+        """Send the oldest batch; it leaves the queue only once ``send`` returns (an
+        entry that changed meanwhile, a hold become a release, stays for the next)."""
+        batch = dict(itertools.islice(self._pending.items(), BATCH_LIMIT))
         if batch:
-            await send(batch)
-            for task_id in batch:
-                self._pending.pop(task_id, None)
+            await send([t for t, held in batch.items() if not held],
+                       [t for t, held in batch.items() if held])
+            for task_id, held in batch.items():
+                if self._pending.get(task_id) is held:
+                    del self._pending[task_id]
 
-    async def drain_forever(self, send: Callable[[list[str]], Awaitable[None]],
-                            gather_s: float = GATHER_S) -> None:
+    async def drain_forever(self, send: Send, gather_s: float = GATHER_S) -> None:
         """``gather_s``: how long the first release waits for others to share its
-        call. The gateway releases a cell at its reply already; this report is for
-        the cells whose reply it never saw, so a short wait costs nothing and
-        saves a call per cell."""
+        call. The report is what gives a cell's GPUs back (the gateway only sees
+        its reply), and the kernel's next cell waits for it, so the wait is short:
+        releases that come while a report is on its way share the next one."""
         delay = BACKOFF_START_S
         while True:
             if not self._pending:

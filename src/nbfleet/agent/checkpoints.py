@@ -15,6 +15,12 @@ The upload sends only blobs the store lacks (content-addressed). The request is
 sent only when no client cell waits in the kernel. ``bench/replicas.py`` measures
 what remains.
 
+A checkpoint that cannot be taken (the kernel could not write its state, the
+store refused it) is not a silent gap: the agent says so in the cell's output
+(once, until one succeeds again) and reports it, so the workspace's
+``last_error`` and ``snapshot.checkpoint_failures`` say which cell it is behind and
+why; the next checkpoint that is kept clears both.
+
 Cells quicker than a checkpoint are coalesced: one checkpoint covers them all.
 One task per kernel reports in order, so a report never replaces a later one.
 
@@ -94,6 +100,9 @@ class _Due:
     #: Its process was restarted since the last report, in the runtime of this
     #: generation: "nothing saved" is due. None: no reset due.
     reset: int | None = None
+    #: The last checkpoint failed (the user was told; told again only after one
+    #: succeeds and another fails).
+    failing: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +116,17 @@ class Done:
     kept: bool
     #: From the cell's execute_reply to the control plane's answer.
     seconds: float
+    #: Why it could not be taken (key None then).
+    failed: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Flushed:
+    #: The last cell the state written includes; None: nothing written.
+    cell: int | None = None
+    #: Why nothing was written, when that is a failure (not a cell starting first,
+    #: nor a restart of the process that was asked).
+    failure: str | None = None
 
 
 class Checkpointer:
@@ -237,11 +257,16 @@ class Checkpointer:
         # The kernel writes the snapshot on its own thread: nothing of the agent's
         # waits meanwhile (a suspend, an API write), only this task.
         self._seq += 1
-        cell = await _flush(kernel, self._seq)
+        flushed = await _flush(kernel, self._seq)
+        if flushed.failure is not None:
+            await self._failed(due, generation, flushed.cell or 0, flushed.failure, since)
+            return
+        cell = flushed.cell
         if cell is None:
             if kernel.cells_pending:
                 due.dirty = True  # abandoned for the next cell: its reply tries again
             return
+        failure: str | None = None
         async with self.lock(workspace_id):
             if (due.gone or self.generation(kernel) != generation
                     or kernel.execution_state == "dead"):
@@ -254,12 +279,19 @@ class Checkpointer:
             if reused and due.last is not None:
                 saved = dict(due.last)  # nothing changed: the same snapshot, a later cell
             else:
-                saved = await asyncio.to_thread(statesync.upload, self.blobs, workspace_id,
-                                                kernel, due.known)
-                if kernel.restarts != restarts:  # restarted while it uploaded
-                    await asyncio.to_thread(self._delete, str(saved["key"]))
-                    return
-                due.content, due.last = content, dict(saved, written=0)
+                try:
+                    saved = await asyncio.to_thread(statesync.upload, self.blobs,
+                                                    workspace_id, kernel, due.known)
+                except Exception as exc:  # the store refused it, or the state is unreadable
+                    failure = f"could not upload it: {exc!r}"[:500]
+                else:
+                    if kernel.restarts != restarts:  # restarted while it uploaded
+                        await asyncio.to_thread(self._delete, str(saved["key"]))
+                        return
+                    due.content, due.last = content, dict(saved, written=0)
+        if failure is not None:
+            await self._failed(due, generation, cell, failure, since)
+            return
         key = str(saved["key"])
         # Not deleted if this fails: the control plane may have kept it.
         recorded = await self.report(workspace_id, generation, kernel.id, saved, cell)
@@ -273,11 +305,32 @@ class Checkpointer:
             if not reused:  # a reused one was kept before, and may still be named
                 await asyncio.to_thread(self._delete, key)
         seconds = time.perf_counter() - since
+        if recorded.kept:
+            due.failing = False
         CHECKPOINTS.labels("kept" if recorded.kept else "refused").inc()
         CHECKPOINT_BYTES.inc(int(saved.get("written", 0)))
         if recorded.kept:
             CHECKPOINT_SECONDS.observe(seconds)
         self.on_done(Done(kernel.id, cell, key, recorded.kept, round(seconds, 6)))
+
+    async def _failed(self, due: _Due, generation: int, cell: int, reason: str,
+                      since: float) -> None:
+        """Say that the state after ``cell`` was not saved: in the cell's output (once
+        per run of failures) and to the control plane (the workspace's last error)."""
+        kernel = due.kernel
+        CHECKPOINTS.labels("failed").inc()
+        log.warning("checkpoint of kernel %s failed: %s", kernel.id, reason)
+        if not due.failing:
+            due.failing = True
+            kernel.warn_in_cell(
+                f"nbfleet: the kernel's state after this cell could not be checkpointed "
+                f"({reason}). The kernel goes on; if its host is lost, the workspace comes "
+                "back as of its last saved state (see the workspace's last_error).\n")
+        recorded = await self.report(kernel.workspace_id, generation, kernel.id,
+                                     {"key": None, "bytes": 0, "written": 0,
+                                      "failed": reason[:1000]}, cell)
+        self.on_done(Done(kernel.id, cell, None, recorded.kept,
+                          round(time.perf_counter() - since, 6), failed=reason))
 
     def _delete(self, key: str | None) -> None:
         """Only the manifest: its blobs are content-addressed and may be shared."""
@@ -286,38 +339,40 @@ class Checkpointer:
                 self.blobs.delete(key)
 
 
-async def _flush(kernel: KernelProcess, seq: int) -> int | None:
-    """Have the kernel write its state in the background; the count of the last
-    cell it includes, or None (it failed, or a cell started first)."""
+async def _flush(kernel: KernelProcess, seq: int) -> _Flushed:
+    """Have the kernel write its state in the background: the count of the last
+    cell it includes, or why it could not (nothing, when a cell started first)."""
     if kernel.state_dir is None:
-        return None
+        return _Flushed()
     restarts = kernel.restarts
     try:
         reply = await kernel.execute_internal(CHECKPOINT.format(seq=seq), REQUEST_TIMEOUT_S,
                                               {"count": COUNT})
     except TimeoutError:
-        if kernel.restarts == restarts:  # else the restart failed it: nothing to say
-            log.warning("kernel %s did not take a checkpoint request in time", kernel.id)
-        return None
+        if kernel.restarts != restarts:  # the restart failed it: nothing to say
+            return _Flushed()
+        return _Flushed(failure=f"the kernel did not take the request within "
+                                f"{REQUEST_TIMEOUT_S:.0f} s")
     if reply.get("status") != "ok":
-        log.warning("kernel %s could not checkpoint: %s", kernel.id,
-                    str(reply.get("evalue", ""))[:200])
-        return None
+        return _Flushed(failure="the kernel refused the request: "
+                                + str(reply.get("evalue", ""))[:200])
     cell = _count(reply) - 1
     deadline = time.monotonic() + statesync.FLUSH_TIMEOUT_S
     while time.monotonic() < deadline:
         mark = await asyncio.to_thread(_read_mark, kernel.state_dir)
         if mark is not None and mark.get("seq") == seq:
             if mark.get("ok") is True:
-                return cell
-            log.info("checkpoint of kernel %s not taken: %s", kernel.id,
-                     str(mark.get("reason"))[:200])
-            return None
+                return _Flushed(cell)
+            reason = str(mark.get("reason"))[:500]
+            if mark.get("abandoned") is True:
+                log.info("checkpoint of kernel %s not taken: %s", kernel.id, reason)
+                return _Flushed()
+            return _Flushed(cell, failure=f"the kernel could not write it: {reason}")
         if kernel.execution_state == "dead" or kernel.restarts != restarts:
-            return None  # the process that was asked is gone
+            return _Flushed()  # the process that was asked is gone
         await asyncio.sleep(MARK_POLL_S)
-    log.warning("kernel %s did not write its checkpoint in time", kernel.id)
-    return None
+    return _Flushed(cell, failure=f"the kernel did not write it within "
+                                  f"{statesync.FLUSH_TIMEOUT_S:.0f} s")
 
 
 def _content_digest(state_dir: str) -> str | None:

@@ -42,6 +42,7 @@ class RuntimeManager:
                  isolation: Isolation | None = None, release_delay_s: float = 0.0,
                  warm_pool: int = 0, warm_profiles: int | None = None,
                  on_released: Callable[[list[str]], None] | None = None,
+                 on_held: Callable[[list[str]], None] | None = None,
                  file_sync_interval_s: float = 0.0, lease: Lease | None = None,
                  output_buffer_bytes: int = DEFAULT_OUTPUT_BUFFER_BYTES) -> None:
         self.runtimes_dir = f"{state_dir}/runtimes"
@@ -69,6 +70,8 @@ class RuntimeManager:
         #: Told the task ids of cells whose GPU bindings ended (reply, death, restart,
         #: suspend, release); must not block (see ``bindings.ReleaseQueue.put``).
         self.on_released: Callable[[list[str]], None] = on_released or (lambda task_ids: None)
+        #: Told the cells that ended with a GPU still open in their slot.
+        self.on_held: Callable[[list[str]], None] = on_held or (lambda task_ids: None)
         #: Seconds between syncs of what a live runtime's kernels write (0: only at
         #: suspend and release). See ``livesync``.
         self.file_sync_interval_s = file_sync_interval_s
@@ -275,6 +278,7 @@ class RuntimeManager:
         self.kernels[kernel.id] = kernel
         kernel.on_death = self._died
         kernel.bindings.on_release = self.on_released
+        kernel.bindings.on_held = self.on_held
         if self.checkpoints is not None:
             self.checkpoints.watch(kernel)
 

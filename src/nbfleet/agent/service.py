@@ -168,7 +168,8 @@ class ControlReporter:
                          saved: dict[str, Any], cell: int) -> CheckpointRecorded:
         body = CellCheckpoint(agent_id=self._agent_id, boot_id=self._boot_id,
                               generation=generation, kernel_id=kernel_id, key=saved["key"],
-                              bytes=saved["bytes"], written=saved["written"], cell=cell)
+                              bytes=saved["bytes"], written=saved["written"], cell=cell,
+                              failed=saved.get("failed"))
         response = await self._http.post(f"/internal/workspaces/{workspace_id}/checkpoints",
                                          json=body.model_dump(mode="json"))
         if response.status_code == 404:
@@ -176,9 +177,10 @@ class ControlReporter:
         response.raise_for_status()
         return CheckpointRecorded.model_validate(response.json())
 
-    async def released(self, task_ids: list[str]) -> None:
-        """Tell the control plane these cells' GPU bindings ended; raises to be retried."""
-        body = ReleasedCells(agent_id=self._agent_id, task_ids=task_ids)
+    async def released(self, task_ids: list[str], held: list[str]) -> None:
+        """Tell the control plane these cells' GPU bindings ended (``held``: with a
+        GPU still open in the slot); raises to be retried."""
+        body = ReleasedCells(agent_id=self._agent_id, task_ids=task_ids, held=held)
         response = await self._http.post(f"/internal/agents/{self._agent_id}/released",
                                          json=body.model_dump(mode="json"))
         if response.status_code == 404:
@@ -253,6 +255,8 @@ class AgentService:
                     for g in self.inventory.gpus
                 ],
                 "kernelspecs": kernelspecs(),
+                "gpu_holds": (self.isolation.gpus is not None
+                              and self.isolation.cgroups is not None),
             },
         )
 
@@ -289,7 +293,7 @@ class AgentService:
                 self.state_dir, files, self.sockets_dir,
                 isolation=self.isolation, release_delay_s=self.config.release_delay_s,
                 warm_pool=self.config.warm_pool, warm_profiles=self.config.warm_profiles,
-                on_released=self.released.put,
+                on_released=self.released.put, on_held=self.released.hold,
                 file_sync_interval_s=self.config.file_sync_interval_s, lease=self.lease,
                 output_buffer_bytes=self.config.output_buffer_bytes,
             )

@@ -38,6 +38,10 @@ from nbfleet.web.render import iso
 MAX_INTERRUPTED = 100
 
 
+#: How a failed cell checkpoint's last error begins (a later good one clears it).
+CHECKPOINT_FAILED = "the cell checkpoint"
+
+
 def record_checkpoint(db: Database, workspace_id: str,
                       body: CellCheckpoint) -> CheckpointRecorded:
     """Keep a kernel's latest state (or, with no key, that it was restarted and holds
@@ -55,10 +59,30 @@ def record_checkpoint(db: Database, workspace_id: str,
         if refused is not None:
             return CheckpointRecorded(kept=False, reason=refused)
         snapshot = dict(ws.snapshot or {})
+        at = iso(db.now(session))
+        failures = dict(snapshot.get("checkpoint_failures") or {})
+        if body.failed is not None:
+            # The kept state stays; the workspace says how far behind it is, and why.
+            failures[body.kernel_id] = {"cell": body.cell, "at": at, "reason": body.failed}
+            snapshot["checkpoint_failures"] = failures
+            ws.snapshot = snapshot
+            kept = (snapshot.get("kernels") or {}).get(body.kernel_id) or {}
+            as_of = (f"cell {kept['cell']}" if isinstance(kept.get("cell"), int)
+                     else "its last suspend")
+            ws.last_error = (f"{CHECKPOINT_FAILED} of kernel {body.kernel_id} after cell "
+                             f"{body.cell} failed: {body.failed}; if its host is lost it "
+                             f"comes back as of {as_of}")[:2000]
+            return CheckpointRecorded(kept=True)
+        if failures.pop(body.kernel_id, None) is not None:
+            if failures:
+                snapshot["checkpoint_failures"] = failures
+            else:
+                snapshot.pop("checkpoint_failures", None)
+            if (ws.last_error or "").startswith(f"{CHECKPOINT_FAILED} of kernel {body.kernel_id} "):
+                ws.last_error = None
         kernels = dict(snapshot.get("kernels") or {})
         restarted = dict(snapshot.get("restarted") or {})
         previous = kernels.pop(body.kernel_id, None) or {}
-        at = iso(db.now(session))
         if body.key is None:
             # Nothing to restore: a placement starts the kernel empty, as the restart
             # left it, and says why (``report``).

@@ -172,6 +172,14 @@ class ResourcesBody(BaseModel):
     gpu_types: list[str]
 
 
+class CheckpointFailure(BaseModel):
+    """A cell whose state could not be checkpointed (the kept one is older)."""
+
+    cell: int
+    at: str
+    reason: str
+
+
 class SnapshotSummary(BaseModel):
     """What a user may know of the last snapshot: when, how big, what it holds."""
 
@@ -184,6 +192,8 @@ class SnapshotSummary(BaseModel):
     #: kernel id -> the last cell whose state was saved after it ran (kernels whose
     #: latest state is a cell's checkpoint, not a suspend's).
     cells: dict[str, int] = {}
+    #: kernel id -> the latest cell whose checkpoint failed since one was last kept.
+    checkpoint_failures: dict[str, CheckpointFailure] = {}
 
 
 class KernelLoss(BaseModel):
@@ -277,7 +287,8 @@ def _snapshot_summary(snapshot: dict[str, Any] | None) -> dict[str, Any] | None:
             "packages": snapshot.get("packages") is not None,
             "notes": snapshot.get("notes", []),
             "cells": {kid: k["cell"] for kid, k in (snapshot.get("kernels") or {}).items()
-                      if isinstance(k, dict) and isinstance(k.get("cell"), int)}}
+                      if isinstance(k, dict) and isinstance(k.get("cell"), int)},
+            "checkpoint_failures": dict(snapshot.get("checkpoint_failures") or {})}
 
 
 def is_done(ws: Workspace) -> bool:

@@ -26,9 +26,12 @@ from nbfleet.kernel.cycle import OUT, Cycle, Failed, Record, Saved
 from nbfleet.kernel.recipes import CellRecord, RecipeBook, can_change_in_place
 from nbfleet.kernel.tokens import ShaCache
 
-__all__ = ["OUT", "Capture", "Failed", "Record", "Saved"]
+__all__ = ["ABANDONED", "OUT", "Capture", "Failed", "Record", "Saved"]
 
 log = logging.getLogger("nbfleet.kernel")
+
+#: Why a checkpoint was given up when a cell started first (not a failure).
+ABANDONED = "a cell started"
 
 
 @dataclass(frozen=True)
@@ -249,7 +252,7 @@ class Capture:
                         break
                     self._queue.task_done()
                     if isinstance(job, _Checkpoint):
-                        self._dropped(job.seq, "a cell started")
+                        self._dropped(job.seq, ABANDONED)
                     job = newer
                 if job is None:
                     return
@@ -291,7 +294,7 @@ class Capture:
         if self.checkpoint_writer is None:
             self._dropped(job.seq, "no checkpoint writer")
         elif not self._valid(job.epoch):
-            self._dropped(job.seq, "a cell started")
+            self._dropped(job.seq, ABANDONED)
         else:
             self.checkpoint_writer(job.seq, job.epoch)
 

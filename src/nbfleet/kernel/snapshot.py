@@ -19,7 +19,7 @@ from typing import Any
 
 from nbfleet.kernel import codec, manifest, settings
 from nbfleet.kernel.blobs import Ref, blob_shas
-from nbfleet.kernel.capture import OUT, Capture, Failed, Saved
+from nbfleet.kernel.capture import ABANDONED, OUT, Capture, Failed, Saved
 from nbfleet.kernel.cycle import is_pseudo, order
 
 
@@ -179,7 +179,7 @@ def checkpoint(capture: Capture, seq: int, epoch: int) -> None:
             raise Abandoned()
         capture.store.collect(document["blobs"])
     except Abandoned:
-        mark_checkpoint(capture, seq, False, "a cell started")
+        mark_checkpoint(capture, seq, False, ABANDONED)
     except Exception as error:  # the agent reports it; the kernel goes on
         mark_checkpoint(capture, seq, False, f"{type(error).__name__}: {error}"[:500])
     else:
@@ -187,6 +187,8 @@ def checkpoint(capture: Capture, seq: int, epoch: int) -> None:
 
 
 def mark_checkpoint(capture: Capture, seq: int, ok: bool, reason: str | None) -> None:
+    """``abandoned``: given up for a cell, which is no failure (the agent reports one)."""
     capture.state_dir.mkdir(parents=True, exist_ok=True)
     manifest.write_json_atomic(capture.state_dir / CHECKPOINT_MARK,
-                               {"seq": seq, "ok": ok, "reason": reason})
+                               {"seq": seq, "ok": ok, "reason": reason,
+                                "abandoned": reason == ABANDONED})

@@ -34,6 +34,11 @@ class HostInventory:
     millicpus: int
     memory_mb: int
     gpus: tuple[GpuGroup, ...] = ()
+    #: Whether a process may keep one of its GPUs open past a cell, so that the
+    #: agent reports a cell's end only once its GPUs are closed (its slots have GPU
+    #: nodes, and cgroups to look for holders in). If not, a cell's GPUs are free at
+    #: its reply. Unknown reads as True: waiting for the report is the safe side.
+    gpu_holds: bool = True
 
     @property
     def gpu_count(self) -> int:
@@ -63,4 +68,5 @@ def inventory_from_json(inventory: Mapping[str, Any], missing: int = 0) -> HostI
     return HostInventory(
         int(inventory.get("millicpus", missing)), int(inventory.get("memory_mb", missing)),
         tuple(GpuGroup(int(g["count"]), str(g["type"]), int(g["vram_gb"]))
-              for g in inventory.get("gpus", ())))
+              for g in inventory.get("gpus", ())),
+        inventory.get("gpu_holds", True) is not False)

@@ -11,6 +11,10 @@ agent reports in order, so within a placement a report follows the one before.
 A restarted kernel (its user's restart, or the agent's after a crash) is reported
 the same way, with no key: its variables are gone on purpose, so a later placement
 must not bring back those of a cell before the restart.
+
+A checkpoint that could not be taken (the state did not fit its disk, did not
+pickle, the store refused it) is reported too, with no key and ``failed``: the
+last kept state stays, and the workspace says which cell it is behind and why.
 """
 
 from __future__ import annotations
@@ -31,13 +35,19 @@ class CellCheckpoint(BaseModel):
     bytes: int = Field(ge=0)
     written: int = Field(ge=0)
     #: The execution count of the last cell the state includes (0: none ran yet,
-    #: as for a restart).
+    #: as for a restart); for a failure, the cell whose state could not be saved.
     cell: int = Field(ge=0)
+    #: Why the state after ``cell`` could not be checkpointed (no key then).
+    failed: str | None = Field(default=None, max_length=1000)
 
     @model_validator(mode="after")
     def _a_restart_saved_nothing(self) -> CellCheckpoint:
-        """A restart's report names no state, so it can carry no size or cell."""
-        if self.key is None and (self.bytes or self.written or self.cell):
+        """A restart's or a failure's report names no state, so it carries no size
+        (and a restart no cell)."""
+        if self.failed is not None:
+            if self.key is not None or self.bytes or self.written:
+                raise ValueError("a failed checkpoint saved nothing: no key, bytes or written")
+        elif self.key is None and (self.bytes or self.written or self.cell):
             raise ValueError("a restart (no key) saved nothing: bytes, written and cell are 0")
         return self
 

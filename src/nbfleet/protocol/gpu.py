@@ -41,8 +41,7 @@ class ActiveBinding(BaseModel):
     #: The cell ended, but a process of its slot still holds one of its GPUs open:
     #: the GPU is still the cell's (no other slot on the agent may open it), and
     #: the agent reports the cell released only once the GPU is closed; until then
-    #: it is committed, and billed, to the cell. (The control plane's cell gate
-    #: still releases at the reply: docs/security.md, GPUs.)
+    #: it is committed, and billed, to the cell.
     held: bool = False
 
 
@@ -56,4 +55,9 @@ class ReleasedCells(BaseModel):
     """An agent's report that these cells ended (reply, interrupt, death, restart)."""
 
     agent_id: str
+    #: Their GPUs are closed: the control plane gives them back.
     task_ids: list[str] = Field(default_factory=list, max_length=10_000)
+    #: Ended while a process of their slot still holds one of their GPUs open (a CUDA
+    #: context): still committed and billed; the kernel's next cell may take them
+    #: over. Their release follows in a later report, once closed.
+    held: list[str] = Field(default_factory=list, max_length=10_000)

@@ -79,6 +79,8 @@ class _Hold:
 
     indices: set[int]
     done: Callable[[], None]
+    #: Told once, when the first look finds a GPU still open.
+    still_held: Callable[[], None]
     logged: bool = False
 
 
@@ -120,10 +122,11 @@ class SlotGpus:
             if not hold.indices:
                 self._end_hold(task_id)
 
-    def release(self, task_id: str, indices: Iterable[int],
-                done: Callable[[], None]) -> None:
+    def release(self, task_id: str, indices: Iterable[int], done: Callable[[], None],
+                still_held: Callable[[], None] = lambda: None) -> None:
         """The cell ``task_id`` ended: close its GPUs to the slot; ``done`` is called
-        (at once, or once the slot no longer holds them) to report it released."""
+        (at once, or once the slot no longer holds them) to report it released, and
+        ``still_held`` first if a process of the slot still has one open."""
         closing: set[int] = set()
         for index in indices:
             if self.bound[index] > 0:
@@ -137,7 +140,7 @@ class SlotGpus:
             done()
             return
         # Held until looked at: the GPU stays the slot's (closed to it) meanwhile.
-        self._holds[task_id] = _Hold(closing, done)
+        self._holds[task_id] = _Hold(closing, done, still_held)
         self.sync()
         if self._check is None or self._check.done():
             self._check = asyncio.get_running_loop().create_task(
@@ -208,6 +211,10 @@ class SlotGpus:
                     log.info("cell %s ended with GPUs %s still open in its slot: they "
                              "stay committed to it until closed", task_id,
                              sorted(hold.indices))
+                    try:
+                        hold.still_held()
+                    except Exception:  # a reporting fault must not stop the others' checks
+                        log.exception("could not report the hold of %s", task_id)
 
 
 def _held_in(procs_files: list[str], nodes: list[GpuNode]) -> set[GpuNode]:

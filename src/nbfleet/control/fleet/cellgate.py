@@ -2,10 +2,15 @@
 
 The gateway hands the gate every frame of a GPU workspace's kernel connection.
 An ``execute_request`` is held until the scheduler binds GPUs to it; the binding
-is written into its metadata and it goes on to the kernel; the GPUs are released
-at its ``execute_reply``. Jupyter runs a kernel's cells one after the other, so
-the gate forwards the next cell only when the previous one replied: a queued
-cell holds no GPU while it waits behind its own kernel. Everything else passes
+is written into its metadata and it goes on to the kernel. Its GPUs are released
+when the agent reports them closed, not at its ``execute_reply``: a thread or a
+child process the cell started may still hold one open, and until it closes it
+the GPU stays committed (and billed) to the cell, so no other tenant is bound to
+it (``agent/sandbox/gpus.py``). Only on hosts where nothing can hold a GPU past
+its cell (``LiveScheduler.free_at_reply``) are they released at the reply. Jupyter runs a kernel's cells one after the
+other, so the gate asks GPUs for the next cell only once the previous one's are
+back: a queued cell holds no GPU while it waits behind its own kernel, and one
+that waits for a GPU its own kernel still holds says so. Everything else passes
 at once.
 
 While a cell waits, the notebook shows why and for how long, updated as it
@@ -89,6 +94,8 @@ class CellGate:
     #: Cells the kernel's host was lost with (by msg_id): the cells queued behind
     #: such a cell are aborted (it ended in an error), not sent to the next host.
     _lost: set[str] = field(default_factory=set)
+    #: The last cell that replied, until the agent reports its GPUs closed.
+    _previous: tuple[LiveScheduler, str] | None = None
 
     def start(self) -> None:
         self._worker = asyncio.create_task(self._serve())
@@ -153,7 +160,7 @@ class CellGate:
                              "Reconnect the kernel, then run the cell again")
             return False
         task_id = f"{self.kernel_id}/{request.msg_id}"
-        acquiring = asyncio.create_task(scheduler.acquire(task_id, self.workspace_id, self.gpus))
+        acquiring = asyncio.create_task(self._acquire(scheduler, task_id))
         self._waiting = waiting = _Waiting(request, acquiring)
         notice: str | None = None
         try:
@@ -210,7 +217,7 @@ class CellGate:
                                gpu_indices=binding.gpu_indices, gpu_type=binding.gpu_type)
             await self.to_kernel(request.with_binding(cell))
             scheduler.delivered(task_id)
-            await self._until_ended(replied, scheduler, task_id)
+            await self._until_replied(replied, scheduler, task_id)
         except asyncio.CancelledError:
             raise  # the connection closed: the agent reports the cell's end
         except Exception:
@@ -218,7 +225,8 @@ class CellGate:
             raise
         finally:
             self._replies.pop(request.msg_id, None)
-        scheduler.release(task_id)
+        scheduler.replied(task_id)  # its GPUs go back when the agent reports them closed
+        self._previous = (scheduler, task_id)
         lost = request.msg_id in self._lost
         self._lost.clear()  # cells run one at a time: older entries no longer matter
         return not lost
@@ -243,8 +251,47 @@ class CellGate:
                            f"in {time.monotonic() - started:.1f} s", first=False)
         return True
 
-    async def _until_ended(self, replied: asyncio.Event, scheduler: LiveScheduler,
-                           task_id: str) -> None:
+    async def _acquire(self, scheduler: LiveScheduler, task_id: str) -> Binding:
+        """The kernel's previous cell settles first (the agent's report, usually
+        milliseconds after its reply): its GPUs are back, or still open in the slot
+        (a CUDA context), and then this cell takes them over; otherwise it asks."""
+        previous = self._previous_cell(scheduler)
+        if previous is not None:
+            cell = scheduler.running.get(previous)
+            while (cell is not None and not cell.settled.is_set()
+                   and self.scheduler() is scheduler):
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(NOTICE_EVERY_S):
+                        await cell.settled.wait()
+            taken = scheduler.hand_over(previous, task_id, self.workspace_id, self.gpus)
+            if taken is not None:
+                self._previous = None
+                return taken
+        self._previous = None
+        return await scheduler.acquire(task_id, self.workspace_id, self.gpus)
+
+    def _previous_cell(self, scheduler: LiveScheduler) -> str | None:
+        """This gate's last cell; or, on a new connection, a cell of the kernel that
+        an earlier one left holding a GPU open."""
+        if self._previous is not None:
+            return self._previous[1] if self._previous[0] is scheduler else None
+        prefix = f"{self.kernel_id}/"
+        return next((task_id for task_id, cell in scheduler.running.items()
+                     if cell.held and task_id.startswith(prefix)), None)
+
+    def _held_text(self, scheduler: LiveScheduler) -> str | None:
+        """Why the cell waits, while its kernel's previous cell has not settled."""
+        previous = self._previous_cell(scheduler)
+        cell = scheduler.running.get(previous) if previous is not None else None
+        if cell is None or cell.settled.is_set():
+            return None
+        since = cell.replied_at if cell.replied_at is not None else scheduler.now()
+        return (f"waiting for host {cell.binding.host_id} to report the previous cell's "
+                f"GPUs closed ({scheduler.now() - since:.0f} s since it ended; interrupt "
+                "the kernel to cancel)")
+
+    async def _until_replied(self, replied: asyncio.Event, scheduler: LiveScheduler,
+                             task_id: str) -> None:
         """Until the cell's reply, or until the cell ended without one reaching us
         (its kernel died, its host was lost: the scheduler released it already)."""
         while not replied.is_set():
@@ -265,6 +312,9 @@ class CellGate:
         task.add_done_callback(self._stops.discard)
 
     def _wait_text(self, scheduler: LiveScheduler, task_id: str) -> str:
+        held = self._held_text(scheduler)
+        if held is not None:
+            return held
         reason = scheduler.wait_reason(task_id) or "waiting for GPUs"
         waited = scheduler.waiting_since(task_id) or 0.0
         return f"{reason} ({waited:.0f} s so far; interrupt the kernel to cancel)"

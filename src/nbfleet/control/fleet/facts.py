@@ -80,7 +80,8 @@ async def reported_cells(platform: Platform, fleet: list[HostFact]) -> list[Cell
             workspace_id = await asyncio.to_thread(_workspace_of, platform, active.kernel_id)
             if workspace_id is not None:
                 cells.append(CellFacts(binding.task_id, workspace_id, host_id,
-                                       tuple(binding.gpu_indices), active.age_s))
+                                       tuple(binding.gpu_indices), active.age_s,
+                                       active.held))
     return cells
 
 

@@ -115,6 +115,15 @@ class RunningCell:
     #: When the cell reached its kernel (None while its kernel moves, or its credit
     #: is being reserved): only from then on must the agent report it.
     delivered_at: float | None = None
+    #: When its ``execute_reply`` passed the gateway. The GPUs stay committed (and
+    #: billed) after it until the agent reports them closed: a process of the slot
+    #: may still hold one open (``agent/sandbox/gpus.py``).
+    replied_at: float | None = None
+    #: The agent reported it ended with a GPU still open in its slot (a CUDA
+    #: context): the kernel's next cell takes the GPUs over (``hand_over``).
+    held: bool = False
+    #: Set once the cell is released, or held: what the kernel's next cell waits for.
+    settled: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 @dataclass(slots=True)
@@ -140,6 +149,8 @@ class CellFacts:
     gpu_indices: tuple[int, ...]
     #: How long it has run, by the agent's clock.
     ran_s: float = 0.0
+    #: It ended, but a GPU of it is still open in its slot (``ActiveBinding.held``).
+    held: bool = False
 
 
 @dataclass
@@ -153,6 +164,9 @@ class LiveScheduler:
         self._waiters: dict[str, _Waiter] = {}
         self.running: dict[str, RunningCell] = {}
         self.log: deque[LoggedDecision] = deque(maxlen=DECISION_LOG)
+        #: Hosts where nothing can hold a GPU past its cell (``HostInventory.gpu_holds``):
+        #: a cell's GPUs go back at its reply, without waiting for the agent's report.
+        self.free_at_reply: set[str] = set()
         #: Autoscaler passes run so far: the simulator's first comes at its start, the
         #: live one's once hosts had time to report (``FleetService.take_over``).
         self.autoscaler_passes = 0
@@ -166,14 +180,17 @@ class LiveScheduler:
     def host_joined(self, host_id: str, inventory: HostInventory) -> None:
         if host_id in self.policy.hosts:
             return
+        if not inventory.gpu_holds:
+            self.free_at_reply.add(host_id)
         self._apply(self.policy.add_host(Host.from_inventory(host_id, inventory), self.now()))
 
     def host_lost(self, host_id: str) -> list[str]:
         """The host is gone; returns the cells that were running there."""
         lost = [t for t, cell in self.running.items() if cell.binding.host_id == host_id]
         for task_id in lost:
-            del self.running[task_id]
+            self.running.pop(task_id).settled.set()
             self.effects.cell_ended(task_id)
+        self.free_at_reply.discard(host_id)
         self._apply(self.policy.lose_host(host_id, self.now()))
         return lost
 
@@ -242,10 +259,51 @@ class LiveScheduler:
         if cell is not None and cell.delivered_at is None:
             cell.delivered_at = self.now()
 
+    def replied(self, task_id: str) -> None:
+        """The cell's ``execute_reply`` reached the gateway. Its GPUs go back only
+        where nothing can hold them past it (``free_at_reply``); elsewhere the agent
+        reports when its slot no longer holds them."""
+        cell = self.running.get(task_id)
+        if cell is None:
+            return
+        if cell.binding.host_id in self.free_at_reply:
+            self.release(task_id)
+        elif cell.replied_at is None:
+            cell.replied_at = self.now()
+
+    def held(self, task_id: str) -> None:
+        """The agent reports the cell ended with one of its GPUs still open in the
+        slot: they stay committed to it, and billed, until closed or taken over."""
+        cell = self.running.get(task_id)
+        if cell is not None:
+            cell.held = True
+            cell.settled.set()
+
+    def hand_over(self, previous: str, task_id: str, workspace_id: str,
+                  gpus: int) -> Binding | None:
+        """The kernel's next cell takes over the GPUs its previous cell still holds
+        open: they never go back to the pool, where no other kernel could use them.
+        None if the previous cell is not held (released, or never its kernel's)."""
+        cell = self.running.get(previous)
+        if cell is None or not cell.held or cell.binding.workspace_id != workspace_id:
+            return None
+        decisions = self.policy.hand_over(previous, TaskRequest(task_id, workspace_id, gpus),
+                                          self.now())
+        if not decisions:
+            return None
+        del self.running[previous]
+        self.effects.cell_ended(previous)
+        self._apply(decisions)
+        started = decisions[0]
+        assert isinstance(started, Started)
+        return self._bound(started, self.now())
+
     def release(self, task_id: str) -> RunningCell | None:
-        """The cell ended; idempotent (the gateway and the agent may both report it)."""
+        """The cell's GPUs go back (the agent reported them closed, its kernel or host
+        went away, or it never reached its kernel); idempotent."""
         cell = self.running.pop(task_id, None)
         if cell is not None:
+            cell.settled.set()
             self.effects.cell_ended(task_id)
         self._apply(self.policy.finish(task_id, self.now()))
         return cell
@@ -323,11 +381,16 @@ class LiveScheduler:
         (unknown kernel or host, or a GPU already bound): never a double commit."""
         policy = type(self.policy)(self.policy.config)
         self.policy = policy
+        for old in self.running.values():
+            old.settled.set()
         self.running.clear()
         for task_id in list(self._waiters):
             self.cancel(task_id)
         prewarms: list[Decision] = []
+        self.free_at_reply.clear()
         for host_id, inventory in hosts:
+            if not inventory.gpu_holds:
+                self.free_at_reply.add(host_id)
             prewarms += [d for d in policy.add_host(Host.from_inventory(host_id, inventory),
                                                     self.now()) if isinstance(d, Prewarm)]
         for facts in kernels:
@@ -347,6 +410,8 @@ class LiveScheduler:
                 continue
             self._bound(started, self.now())
             self.delivered(cell.task_id)  # an agent reported it: it is in its kernel
+            if cell.held:
+                self.held(cell.task_id)
         # The hosts' warm pools, as the policy wants them, and a replica for each
         # one a kernel lost with a host that is gone (its standby is made there).
         self._apply(prewarms + policy.fill_replicas())

@@ -300,11 +300,17 @@ class FleetService:
         if ready and self.scheduler is scheduler and host_id in scheduler.policy.hosts:
             scheduler.prewarmed(host_id, count)
 
-    def released(self, agent_id: str, task_ids: Sequence[str]) -> int:
-        """An agent reports cells that ended; only that host's cells are released."""
+    def released(self, agent_id: str, task_ids: Sequence[str],
+                 held: Sequence[str] = ()) -> int:
+        """An agent reports cells that ended; only that host's cells are released.
+        ``held``: ended with a GPU still open, so not released (``LiveScheduler.held``)."""
         scheduler = self.scheduler
         if scheduler is None:
             return 0
+        for task_id in held:
+            cell = scheduler.running.get(task_id)
+            if cell is not None and cell.binding.host_id == agent_id:
+                scheduler.held(task_id)
         count = 0
         for task_id in task_ids:
             cell = scheduler.running.get(task_id)

@@ -52,7 +52,8 @@ def fleet_view(scheduler: LiveScheduler) -> dict[str, Any]:
     running = [{"cell": task_id, "workspace_id": cell.binding.workspace_id,
                 "host_id": cell.binding.host_id, "gpus": list(cell.binding.gpu_indices),
                 "gpu_type": cell.binding.gpu_type, "path": cell.binding.path.value,
-                "running_s": round(scheduler.now() - cell.started_at, 3)}
+                "running_s": round(scheduler.now() - cell.started_at, 3),
+                "replied": cell.replied_at is not None, "held": cell.held}
                for task_id, cell in sorted(scheduler.running.items())]
     return {
         "policy": policy.name,

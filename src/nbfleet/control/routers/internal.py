@@ -102,10 +102,11 @@ async def cell_checkpoint(workspace_id: str, body: CellCheckpoint,
 @router.post("/agents/{agent_id}/released", status_code=204)
 async def cells_released(agent_id: str, body: ReleasedCells, request: Request) -> None:
     """An agent reports GPU cells that ended (reply, interrupt, death, suspend); the
-    scheduler releases those it placed on that agent, and ignores the rest."""
+    scheduler releases those it placed on that agent, and ignores the rest. Those
+    ``held`` (a GPU still open in their slot) stay committed and billed."""
     if body.agent_id != agent_id:
         raise InvalidInput("agent_id in the body does not match the path")
-    platform_of(request).fleet.released(agent_id, body.task_ids)
+    platform_of(request).fleet.released(agent_id, body.task_ids, body.held)
 
 
 @router.post("/jobs/heartbeats")

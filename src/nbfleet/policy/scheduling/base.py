@@ -206,6 +206,29 @@ class FleetPolicy:
             kernel.running = None
         return self.after_task(running, now) + self._settle(now)
 
+    def hand_over(self, previous: str, task: TaskRequest, now: float) -> list[Decision]:
+        """The kernel's next task takes over the GPUs its previous one still holds
+        (live: a CUDA context keeps them open after the cell); [] if ``previous`` is
+        not running, is another kernel's, or holds a different number of GPUs."""
+        running = self.running.get(previous)
+        kernel = self.kernels.get(task.kernel_id)
+        host = self.hosts.get(running.host_id) if running is not None else None
+        if (running is None or kernel is None or host is None or task.id in self.running
+                or running.task.kernel_id != task.kernel_id or running.task.gpus != task.gpus):
+            return []
+        del self.running[previous]
+        self.fair.finished(previous, now)
+        if running.path is StartPath.RESERVED:
+            indices = host.bound(kernel.id)
+        else:
+            indices = host.bound(previous)
+            host.release(previous)
+            host.commit(task.id, indices)
+        started = Started(task.id, kernel.id, host.id, indices, running.path)
+        kernel.last_active = now
+        self.record_start(task, [started], now)
+        return [started]
+
     def cancel(self, task_id: str, now: float) -> bool:
         """Withdraw a queued task (its cell was interrupted while it waited)."""
         kept = deque(t for t in self.queue if t.id != task_id)
