@@ -7,11 +7,12 @@ when the agent reports them closed, not at its ``execute_reply``: a thread or a
 child process the cell started may still hold one open, and until it closes it
 the GPU stays committed (and billed) to the cell, so no other tenant is bound to
 it (``agent/sandbox/gpus.py``). Only on hosts where nothing can hold a GPU past
-its cell (``LiveScheduler.free_at_reply``) are they released at the reply. Jupyter runs a kernel's cells one after the
-other, so the gate asks GPUs for the next cell only once the previous one's are
-back: a queued cell holds no GPU while it waits behind its own kernel, and one
-that waits for a GPU its own kernel still holds says so. Everything else passes
-at once.
+its cell (``LiveScheduler.free_at_reply``) are they released at the reply.
+
+Jupyter runs a kernel's cells one after the other, so the gate asks GPUs for the
+next cell only once the previous one's have settled (back, or still held open by
+the kernel, which the next cell then takes over): a queued cell holds no GPU
+while it waits behind its own kernel. Everything else passes at once.
 
 While a cell waits, the notebook shows why and for how long, updated as it
 changes (one display, rewritten with ``update_display_data``). Interrupting a
