@@ -313,4 +313,5 @@ async def test_the_agent_service_drains_releases_to_the_control_plane(tmp_path: 
     async with service.running():
         service.manager.on_released(["task_a", "task_b"])
         await until(lambda: bool(posts), timeout_s=10)
-    assert posts == [{"agent_id": service.agent_id, "task_ids": ["task_a", "task_b"]}]
+    assert posts == [{"agent_id": service.agent_id, "task_ids": ["task_a", "task_b"],
+                      "held": []}]
