@@ -22,6 +22,9 @@ def adopt_kernel(policy: FleetPolicy, request: KernelRequest, host_ids: Iterable
     control plane), on the hosts it was placed on, without deciding anything."""
     kernel = KernelState(request.id, request.spec, last_active=now, placed=True,
                          tenant=request.tenant, priority=request.priority)
+    host_ids = list(host_ids)
+    if policy.keeps_replicas:
+        kernel.want = len(host_ids)
     for host_id in host_ids:
         host = policy.hosts.get(host_id)
         if host is None:
@@ -34,6 +37,8 @@ def adopt_kernel(policy: FleetPolicy, request: KernelRequest, host_ids: Iterable
     if not kernel.hosts and policy.holds_hosts(kernel):
         kernel.placed = False
         policy.waiting_kernels.append(kernel.id)
+    elif len(kernel.hosts) < kernel.want:
+        policy.short.add(kernel.id)  # a replica went with a host: ``fill_replicas``
     policy.kernels[kernel.id] = kernel
 
 

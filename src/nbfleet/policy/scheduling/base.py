@@ -47,6 +47,10 @@ class KernelState:
     running: str | None = None  # the task it executes (Jupyter runs one cell at a time)
     tenant: str = ""
     priority: int = 0
+    #: How many replicas the policy keeps for it now (0: a policy without replicas).
+    #: A repair brings it back to this, never past it: a replica the policy removed
+    #: on purpose (``nbfleet``'s idle shrink) lowered it.
+    want: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +95,9 @@ class FleetPolicy:
         self.running: dict[str, RunningTask] = {}
         self.warm: dict[str, int] = {}
         self.warming: dict[str, int] = {}
+        #: Placed kernels with fewer replicas than they want (a host lost, or no room
+        #: when they grew): the only ones a host join looks at.
+        self.short: set[str] = set()
         self._shape = Host.from_inventory("shape", self.config.host_shape)
         self._last_scale_out = -math.inf
         self.fair = FairShare(self.config.fair_half_life_s)
@@ -164,6 +171,7 @@ class FleetPolicy:
         kernel = self.kernels.pop(kernel_id, None)
         if kernel is None:
             return []
+        self.short.discard(kernel_id)
         if kernel_id in self.waiting_kernels:
             self.waiting_kernels.remove(kernel_id)
         self.queue = deque(t for t in self.queue if t.kernel_id != kernel_id)
@@ -266,9 +274,13 @@ class FleetPolicy:
         return self._settle(now) + self._scale_for_backlog(now)
 
     def fill_replicas(self) -> list[Decision]:
-        """Give kernels with fewer replicas than the policy keeps (their hosts are
-        gone) new ones where they fit; none for policies without replicas."""
+        """Give the kernels short of the replicas they want (``short``: a host was
+        lost, or there was no room) new ones where they fit; none for policies
+        without replicas."""
         return []
+
+    #: Whether its kernels keep replicas that a lost host's repair replaces.
+    keeps_replicas: ClassVar[bool] = False
 
     def holds_hosts(self, kernel: KernelState) -> bool:
         """Whether this policy's placed kernels live on hosts (not so for ``batch``

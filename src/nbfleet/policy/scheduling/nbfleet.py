@@ -32,7 +32,7 @@ trade is measured in ``docs/simulation.md``.
 
 from __future__ import annotations
 
-from nbfleet.policy.scheduling.base import KernelState, fits_shape
+from nbfleet.policy.scheduling.base import KernelState
 from nbfleet.policy.scheduling.config import AutoscalerConfig, PolicyConfig
 from nbfleet.policy.scheduling.decisions import (
     Decision,
@@ -72,23 +72,13 @@ class NbfleetPolicy(NotebookOS):
         return self._shrink_idle(now) + super().tick(now)
 
     def _grow(self, kernel: KernelState) -> list[Decision]:
-        """Place the replicas the kernel gave up, where the SR limit allows."""
-        missing = self.config.replicas - len(kernel.hosts)
-        if missing <= 0:
+        """Place the replicas the kernel gave up, where the SR limit allows (those
+        that do not fit now follow when a host joins: it is ``short``)."""
+        if kernel.want >= self.config.replicas and len(kernel.hosts) >= kernel.want:
             return []
-        gpus = kernel.spec.gpus
-        limit = self.sr_limit(gpus * missing)
-        candidates = [h for h in self.hosts.values()
-                      if h.id not in kernel.hosts and fits_shape(h, kernel.spec)
-                      and self._sr_after(h, gpus) <= limit + 1e-9]
-        candidates.sort(key=lambda h: (-len(h.free_gpus()), self._sr_after(h, 0), h.id))
-        added = candidates[:missing]
-        if not added:
-            return []
-        for host in added:
-            host.subscribe(kernel.id, kernel.spec)
-            kernel.hosts.append(host.id)
-        return [Placed(kernel.id, tuple(h.id for h in added))]
+        kernel.want = self.config.replicas
+        added = self._add_replicas(kernel, kernel.want - len(kernel.hosts))
+        return [Placed(kernel.id, added)] if added else []
 
     def _shrink_idle(self, now: float) -> list[Decision]:
         out: list[Decision] = []
@@ -103,6 +93,8 @@ class NbfleetPolicy(NotebookOS):
             for host_id in dropped:
                 self.hosts[host_id].unsubscribe(kernel.id)
             kernel.hosts = ranked[:keep]
+            kernel.want = keep  # on purpose: no repair gives them back
+            self.short.discard(kernel.id)
             if kernel.last_executor not in kernel.hosts:
                 kernel.last_executor = None
             out.append(Reclaimed(kernel.id, tuple(dropped)))

@@ -44,6 +44,7 @@ from nbfleet.policy.scheduling.decisions import (
 class NotebookOS(FleetPolicy):
     name = "notebookos"
     billing = "replicas"
+    keeps_replicas = True
 
     # ------------------------------------------------------------ placement
     def sr_limit(self, extra_subscribed: int = 0) -> float:
@@ -68,6 +69,7 @@ class NotebookOS(FleetPolicy):
         for host in chosen:
             host.subscribe(kernel.id, kernel.spec)
         kernel.hosts = [h.id for h in chosen]
+        kernel.want = replicas
         return [Placed(kernel.id, tuple(kernel.hosts))]
 
     def floor_hosts(self) -> int:
@@ -126,9 +128,9 @@ class NotebookOS(FleetPolicy):
 
     # ------------------------------------------------------------ host loss
     def add_host(self, host: Host, now: float) -> list[Decision]:
-        """As the base class; kernels left short of replicas (a host lost, or drained,
-        while no other had room) get one on the new host. O(kernels): hosts join
-        rarely."""
+        """As the base class; kernels short of replicas (a host lost, or drained,
+        while no other had room) get one on the new host. O(short kernels): never
+        a walk of every kernel, and never a replica a policy removed on purpose."""
         decisions = super().add_host(host, now)
         return decisions + self.fill_replicas()
 
@@ -140,27 +142,43 @@ class NotebookOS(FleetPolicy):
         return self._replace_replicas(sorted(lost)) + decisions
 
     def fill_replicas(self) -> list[Decision]:
-        return self._replace_replicas(sorted(self.kernels))
+        return self._replace_replicas(sorted(self.short))
 
     def _replace_replicas(self, kernel_ids: list[str]) -> list[Decision]:
+        """Bring each kernel back to the replicas it wants, where the SR limit allows;
+        a kernel still short stays in ``short`` for the next host. Each ``Placed``
+        names only the hosts it adds (a meter bills each as a new standby)."""
         out: list[Decision] = []
         for kernel_id in kernel_ids:
             kernel = self.kernels.get(kernel_id)
             if kernel is None or not kernel.placed or not kernel.hosts:
+                self.short.discard(kernel_id)
                 continue  # gone, or waiting to be placed afresh
-            missing = self.config.replicas - len(kernel.hosts)
+            added = self._add_replicas(kernel, kernel.want - len(kernel.hosts))
+            if added:
+                out.append(Placed(kernel.id, added))
+        return out
+
+    def _add_replicas(self, kernel: KernelState, missing: int) -> tuple[str, ...]:
+        """Up to ``missing`` replicas on the fitting hosts with the most idle GPUs,
+        within the SR limit; the hosts added. Keeps ``short`` true."""
+        added: list[str] = []
+        if missing > 0:
             gpus = kernel.spec.gpus
-            limit = self.sr_limit(gpus * max(missing, 0))
+            limit = self.sr_limit(gpus * missing)
             fitting = sorted((h for h in self.hosts.values()
                               if h.id not in kernel.hosts and fits_shape(h, kernel.spec)
                               and self._sr_after(h, gpus) <= limit + 1e-9),
                              key=lambda h: (-len(h.free_gpus()), self._sr_after(h, 0), h.id))
-            for host in fitting[:max(missing, 0)]:
+            for host in fitting[:missing]:
                 host.subscribe(kernel.id, kernel.spec)
                 kernel.hosts.append(host.id)
-            if fitting and missing > 0:
-                out.append(Placed(kernel.id, tuple(kernel.hosts)))
-        return out
+                added.append(host.id)
+        if len(kernel.hosts) < kernel.want:
+            self.short.add(kernel.id)
+        else:
+            self.short.discard(kernel.id)
+        return tuple(added)
 
     def _move_replica(self, kernel: KernelState, source: Host, target: Host) -> None:
         source.unsubscribe(kernel.id)
