@@ -3,6 +3,8 @@
 * ``synthetic:sensei`` -> ``synthetic.sensei(hours, seed)``
 * ``synthetic:sensei-busy`` -> the same without the nearly idle sessions
   (``light_fraction=0``): closer to the concurrency of the paper's Figure 7
+* ``synthetic:widetail`` -> ``widetail.widetail(hours, seed)``: a production-like
+  month, a third of the tasks 8 GPUs wide, durations and think times heavy-tailed
 * ``tiresias:PATH`` -> ``tiresias.read_tiresias(PATH, sessions=...)``
 * ``native:PATH`` or a plain ``PATH`` -> ``native.read_native`` by extension, except
   that a plain ``.csv`` whose header starts with ``job_id`` is read as Tiresias.
@@ -16,8 +18,9 @@ from nbfleet.sim.traces.model import Trace, TraceError
 from nbfleet.sim.traces.native import read_native
 from nbfleet.sim.traces.synthetic import LIGHT_FRACTION, PAPER_HOURS, sensei
 from nbfleet.sim.traces.tiresias import SessionMode, read_tiresias
+from nbfleet.sim.traces.widetail import widetail
 
-SYNTHETIC = ("sensei", "sensei-busy")
+SYNTHETIC = ("sensei", "sensei-busy", "widetail")
 
 
 def load_trace(spec: str, *, hours: float = PAPER_HOURS, seed: int = 0,
@@ -27,6 +30,8 @@ def load_trace(spec: str, *, hours: float = PAPER_HOURS, seed: int = 0,
     if sep and kind == "synthetic":
         if rest not in SYNTHETIC:
             raise TraceError(f"unknown synthetic trace {rest!r}; known: {', '.join(SYNTHETIC)}")
+        if rest == "widetail":
+            return widetail(hours, seed)
         return sensei(hours, seed, light_fraction=0.0 if rest == "sensei-busy" else LIGHT_FRACTION)
     if sep and kind == "tiresias":
         return read_tiresias(rest, sessions=tiresias_sessions)
