@@ -41,12 +41,14 @@ class Audited(Simulation):
 
 
 @st.composite
-def traces(draw: st.DrawFn) -> Trace:
-    """A few sessions of 1-8 GPUs, with think times from seconds to hours (past the
-    idle shrink), so that kernels shrink, grow back and hosts join meanwhile."""
+def traces(draw: st.DrawFn, sessions_from: int = 2, sessions_to: int = 10,
+           window_s: float = 2 * HOUR) -> Trace:
+    """Sessions of 1-8 GPUs opening within ``window_s``, with think times from
+    seconds to hours (past the idle shrink), so that kernels shrink, grow back and
+    hosts join meanwhile."""
     sessions = []
-    for n in range(draw(st.integers(2, 10))):
-        start = draw(st.floats(0, 2 * HOUR))
+    for n in range(draw(st.integers(sessions_from, sessions_to))):
+        start = draw(st.floats(0, window_s))
         gpus = draw(st.sampled_from((1, 4, 8, 8)))
         tasks, at = [], start
         for _ in range(draw(st.integers(0, 6))):

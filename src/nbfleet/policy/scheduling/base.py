@@ -144,6 +144,13 @@ class FleetPolicy:
         """GPUs a waiting kernel needs the fleet to grow by."""
         return kernel.spec.gpus
 
+    def hosts_for_waiting(self) -> int:
+        """New hosts the waiting kernels need, together, before they can all be
+        placed (a replica policy needs ``replicas`` distinct hosts with room for
+        each). 0: the GPU sums decide (``_scale_for_backlog`` adds a host when
+        they fit but the pieces do not)."""
+        return 0
+
     # ------------------------------------------------------------------ events
     def add_host(self, host: Host, now: float) -> list[Decision]:
         """A provisioned host joined (or one of the initial hosts)."""
@@ -427,10 +434,14 @@ class FleetPolicy:
         if not self.queue and not self.waiting_kernels:
             return []
         add = self._scale_plan().add
-        room = len(self.hosts) < self.config.autoscaler.max_hosts
-        if not add and self.provisioning == 0 and room:
+        # A kernel that needs several new hosts (distinct replica hosts) gets them all
+        # at once, not one per provisioning round: it waits one host's start, no more.
+        add = max(add, self.hosts_for_waiting() - self.provisioning)
+        room = self.config.autoscaler.max_hosts - len(self.hosts) - self.provisioning
+        if not add and self.provisioning == 0 and room > 0:
             add = 1  # the sums fit but the pieces do not (fragmentation, distinct hosts)
-        if not add:
+        add = min(add, max(room, 0))
+        if add <= 0:
             return []
         return [self._scale_out(add, now, "work is waiting for GPUs")]
 

@@ -58,10 +58,8 @@ class NotebookOS(FleetPolicy):
         return (host.subscribed_gpus + extra) / (len(host.gpus) * self.config.replicas)
 
     def place_kernel(self, kernel: KernelState, now: float) -> list[Decision] | None:
-        replicas, gpus = self.config.replicas, kernel.spec.gpus
-        limit = self.sr_limit(gpus * replicas)
-        candidates = [h for h in self.hosts.values()
-                      if fits_shape(h, kernel.spec) and self._sr_after(h, gpus) <= limit + 1e-9]
+        replicas = self.config.replicas
+        candidates = self._placement_candidates(kernel)
         if len(candidates) < replicas:
             return None
         candidates.sort(key=lambda h: (-len(h.free_gpus()), self._sr_after(h, 0), h.id))
@@ -84,6 +82,79 @@ class NotebookOS(FleetPolicy):
 
     def kernel_footprint_gpus(self, kernel: KernelState) -> int:
         return 0  # a waiting kernel needs subscription room: floor_hosts() covers it
+
+    def hosts_for_waiting(self) -> int:
+        """Place the waiting kernels in order as ``place_kernel`` would, opening empty
+        hosts of the fleet's shape where they fall short; the empty hosts needed.
+        The SR limit each placement meets counts the subscriptions placed before it
+        and the GPUs of the empty hosts (more GPUs lower the limit): the count is
+        refined until it no longer changes. O(waiting x hosts) per round."""
+        opened = 0
+        for _ in range(4):
+            again = self._empty_hosts_needed(opened)
+            if again <= opened:
+                return again
+            opened = again
+        return opened
+
+    def _place_waiting(self, now: float) -> list[Decision]:
+        """As the base class, but a kernel behind one that waits for new hosts is
+        placed only if that leaves the first one's need for new hosts as it was:
+        it never takes the room the hosts ordered for an earlier kernel bring."""
+        out: list[Decision] = []
+        head: list[str] = []
+        need = 0
+        for kernel_id in list(self.waiting_kernels):
+            kernel = self.kernels[kernel_id]
+            placed = self.place_kernel(kernel, now)
+            if placed is None:
+                if not head:
+                    head, need = [kernel_id], self._empty_hosts_needed(0, head)
+                continue
+            if head and self._empty_hosts_needed(0, head) > need:
+                for host_id in kernel.hosts:  # it would delay the first: not yet
+                    self.hosts[host_id].unsubscribe(kernel_id)
+                kernel.hosts, kernel.want = [], 0
+                continue
+            self.waiting_kernels.remove(kernel_id)
+            kernel.placed = True
+            out += placed
+        return out
+
+    def _empty_hosts_needed(self, assumed: int, waiting: list[str] | None = None) -> int:
+        replicas, config = self.config.replicas, self.config
+        shape_gpus = len(self._shape.gpus)
+        gpus_total = sum(len(h.gpus) for h in self.hosts.values()) + assumed * shape_gpus
+        subscribed = sum(h.subscribed_gpus for h in self.hosts.values())
+        taken: dict[str, int] = {}  # host id -> subscribed GPUs added here
+        fresh: list[int] = []  # subscribed GPUs on each empty host opened
+        for kernel_id in self.waiting_kernels if waiting is None else waiting:
+            kernel = self.kernels[kernel_id]
+            gpus = kernel.spec.gpus
+            subscribed += gpus * replicas
+            limit = (min(config.sr_high_watermark, max(config.sr_floor, subscribed / gpus_total))
+                     if gpus_total else config.sr_floor)
+            found = [h for h in self.hosts.values() if fits_shape(h, kernel.spec)
+                     and self._sr_after(h, taken.get(h.id, 0) + gpus) <= limit + 1e-9]
+            for host in found[:replicas]:
+                taken[host.id] = taken.get(host.id, 0) + gpus
+            missing = replicas - min(len(found), replicas)
+            if missing and not fits_shape(self._shape, kernel.spec):
+                continue  # new hosts would not fit it either
+            room = shape_gpus * replicas * limit
+            for index, used in enumerate(fresh):
+                if missing and used + gpus <= room + 1e-9:
+                    fresh[index] += gpus
+                    missing -= 1
+            fresh += [gpus] * missing
+        return len(fresh)
+
+    def _placement_candidates(self, kernel: KernelState) -> list[Host]:
+        """Hosts that fit the kernel's shape with SR room for one more replica."""
+        gpus = kernel.spec.gpus
+        limit = self.sr_limit(gpus * self.config.replicas)
+        return [h for h in self.hosts.values()
+                if fits_shape(h, kernel.spec) and self._sr_after(h, gpus) <= limit + 1e-9]
 
     # ------------------------------------------------------------ execution
     def start_task(self, task: TaskRequest, kernel: KernelState,
