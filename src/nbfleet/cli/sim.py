@@ -17,7 +17,8 @@ out_console = Console(width=None if sys.stdout.isatty() else 200)
 def sim(
     trace: str = typer.Option(
         "synthetic:sensei", "--trace",
-        help="synthetic:sensei, tiresias:PATH, native:PATH, or a PATH (.jsonl/.csv)"),
+        help="synthetic:sensei, synthetic:sensei-busy, synthetic:widetail, tiresias:PATH, "
+             "native:PATH, or a PATH (.jsonl/.csv)"),
     hours: float = typer.Option(17.5, "--hours", help="Length of a synthetic trace"),
     seed: int = typer.Option(0, "--seed", help="Seed of a synthetic trace"),
     policies: str = typer.Option(

@@ -104,7 +104,8 @@ def _seconds(value: float) -> str:
 def results_table(trace: Trace, runs: dict[str, PolicyRun]) -> Table:
     table = Table(title=f"{trace.name}: {len(trace.sessions)} sessions, "
                         f"{trace.task_count} tasks, {trace.duration_s / 3600:.1f} h")
-    for header in ("policy", "immediate", "delay p50/p90/p99 s", "TCT p50/p99 s",
+    for header in ("policy", "immediate", "delay p50/p90/p99/max s", "8-GPU immediate",
+                   "TCT p50/p99 s",
                    "GPU-h prov.", "GPU-h busy", "util.", "peak hosts", "migr.",
                    "scale out/in", "cost $", "revenue $", "unsched."):
         table.add_column(header, justify="left" if header == "policy" else "right")
@@ -112,7 +113,9 @@ def results_table(trace: Trace, runs: dict[str, PolicyRun]) -> Table:
         s = run.summary
         table.add_row(
             name, f"{s.immediate_fraction:.1%}",
-            "/".join(_seconds(v) for v in (s.delay_p50_s, s.delay_p90_s, s.delay_p99_s)),
+            "/".join(_seconds(v) for v in (s.delay_p50_s, s.delay_p90_s, s.delay_p99_s,
+                                           s.delay_max_s)),
+            (f"{s.by_width[8]['immediate_fraction']:.1%}" if 8 in s.by_width else "-"),
             "/".join(_seconds(v) for v in (s.tct_p50_s, s.tct_p99_s)),
             f"{s.gpu_hours_provisioned:,.0f}", f"{s.gpu_hours_busy:,.0f}",
             f"{s.utilization:.0%}", str(s.peak_hosts), str(s.migrations),

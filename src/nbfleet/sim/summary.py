@@ -13,11 +13,11 @@ every host it has asked for, from the request to the release. Users pay
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from nbfleet.policy.scheduling.decisions import StartPath
-from nbfleet.sim.metrics import Meters
+from nbfleet.sim.metrics import Meters, TaskRecord
 
 P3_16XLARGE_USD_PER_HOUR = 24.48
 
@@ -43,6 +43,8 @@ class Summary:
     delay_p50_s: float
     delay_p90_s: float
     delay_p99_s: float
+    #: The worst delay: a p99 hides the sessions that waited hours.
+    delay_max_s: float
     delay_mean_s: float
     tct_p50_s: float
     tct_p90_s: float
@@ -59,6 +61,9 @@ class Summary:
     margin: float
     simulated_hours: float
     events: int
+    #: Per GPU width (a task's GPUs): its tasks, immediate fraction and delay
+    #: p50/p99/max, since wide tasks wait where narrow ones do not.
+    by_width: dict[int, dict[str, float]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -102,7 +107,7 @@ def summarize(meters: Meters, billing_kind: str, billing: Billing | None = None,
         immediate_fraction=(sum(1 for d in delays if d <= immediate_s) / len(delays)
                             if delays else math.nan),
         delay_p50_s=quantile(delays, 0.5), delay_p90_s=quantile(delays, 0.9),
-        delay_p99_s=quantile(delays, 0.99),
+        delay_p99_s=quantile(delays, 0.99), delay_max_s=delays[-1] if delays else math.nan,
         delay_mean_s=sum(delays) / len(delays) if delays else math.nan,
         tct_p50_s=quantile(tcts, 0.5), tct_p90_s=quantile(tcts, 0.9),
         tct_p99_s=quantile(tcts, 0.99),
@@ -112,7 +117,24 @@ def summarize(meters: Meters, billing_kind: str, billing: Billing | None = None,
         scale_out_hosts=meters.scale_out_hosts, scale_in_hosts=meters.scale_in_hosts,
         cost_usd=cost, revenue_usd=revenue,
         margin=(revenue - cost) / revenue if revenue else math.nan,
-        simulated_hours=(meters.end - meters.start) / 3600.0, events=meters.events)
+        simulated_hours=(meters.end - meters.start) / 3600.0, events=meters.events,
+        by_width=_by_width(started, immediate_s))
+
+
+def _by_width(started: list[TaskRecord], immediate_s: float) -> dict[int, dict[str, float]]:
+    widths: dict[int, list[float]] = {}
+    for record in started:
+        if record.delay_s is not None:
+            widths.setdefault(record.gpus, []).append(record.delay_s)
+    out: dict[int, dict[str, float]] = {}
+    for gpus, delays in sorted(widths.items()):
+        delays.sort()
+        out[gpus] = {"tasks": len(delays),
+                     "immediate_fraction": sum(1 for d in delays if d <= immediate_s)
+                     / len(delays),
+                     "delay_p50_s": quantile(delays, 0.5), "delay_p99_s": quantile(delays, 0.99),
+                     "delay_max_s": delays[-1]}
+    return out
 
 
 def path_counts(meters: Meters) -> dict[str, int]:
