@@ -37,6 +37,10 @@ def test_synthetic_trace_all_policies_writes_every_output(tmp_path: Path) -> Non
         assert figures["started"] + figures["unschedulable"] == summary["trace"]["tasks"], name
         assert figures["gpu_hours_provisioned"] >= figures["gpu_hours_busy"] > 0, name
         assert sum(figures["start_paths"].values()) == figures["started"], name
+        widths = figures["by_width"]
+        assert sum(w["tasks"] for w in widths.values()) == figures["started"], name
+        assert figures["delay_max_s"] == max(w["delay_max_s"] for w in widths.values())
+        assert figures["delay_max_s"] >= figures["delay_p99_s"], name
     for name in ("interactivity_cdf", "tct_cdf", "gpus_over_time", "cost", "hosts_sr"):
         assert (tmp_path / f"{name}.png").read_bytes().startswith(PNG_MAGIC), name
     with (tmp_path / "timeseries.csv").open() as handle:
