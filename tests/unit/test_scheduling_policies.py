@@ -668,3 +668,22 @@ def test_scale_in_keeps_a_host_running_a_zero_gpu_task() -> None:
     assert submit(p, "t1", "k1", 0)[0] == Started("t1", "k1", "a", (), StartPath.COLD)
     assert p.tick(0.0) == []
     assert p.running["t1"].host_id in p.hosts
+
+
+@pytest.mark.parametrize(("name", "target"), [("notebookos", "empty"), ("nbfleet", "partly")])
+def test_nbfleet_migrates_to_the_best_fit_not_to_a_whole_free_host(name: str,
+                                                                   target: str) -> None:
+    """On the wide-task month (a third of the tasks 8 GPUs wide) a 1-GPU task that
+    migrated to the emptiest host broke the whole host an 8-GPU task needed next:
+    notebookos started 48 % of 8-GPU tasks at once. ``nbfleet`` migrates best fit."""
+    config = dataclasses.replace(no_prewarm(2), shrink_idle_s=math.inf)
+    p = make_policy(name, config)
+    a, b = host("a"), host("b")
+    fleet(p, a, b)
+    open_k(p, "k1", 1)
+    busy(a, 8)
+    busy(b, 8)  # both replica hosts full: the task migrates
+    fleet(p, host("empty"), host("partly"))
+    busy(p.hosts["partly"], 6)
+    (moved,) = only(submit(p, "t1", "k1", 1), Migrated)
+    assert isinstance(moved, Migrated) and moved.to_host == target

@@ -32,6 +32,7 @@ trade is measured in ``docs/simulation.md``.
 
 from __future__ import annotations
 
+from nbfleet.model.cluster import Host
 from nbfleet.policy.scheduling.base import KernelState
 from nbfleet.policy.scheduling.config import AutoscalerConfig, PolicyConfig
 from nbfleet.policy.scheduling.decisions import (
@@ -67,6 +68,13 @@ class NbfleetPolicy(NotebookOS):
         else:
             started = self.migrate_and_start(task, kernel)
         return None if started is None else started + self._grow(kernel)
+
+    def migration_order(self, host: Host) -> tuple[bool, int, float, str]:
+        """Best fit, as for local starts: the fewest free GPUs that still fit (the
+        targets all fit), so a migration does not break a whole free host that a
+        wide task could have had; a warm container first."""
+        return (self.warm[host.id] == 0, len(host.gpus) - host.committed_gpus,
+                self._sr_after(host, 0), host.id)
 
     def tick(self, now: float) -> list[Decision]:
         return self._shrink_idle(now) + super().tick(now)

@@ -167,6 +167,12 @@ class NotebookOS(FleetPolicy):
                 return [started]
         return self.migrate_and_start(task, kernel)
 
+    def migration_order(self, host: Host) -> tuple[bool, int, float, str]:
+        """Where a replica migrates for a task, best first: a warm container, then
+        the most free GPUs, then the least subscribed."""
+        return (self.warm[host.id] == 0, host.committed_gpus - len(host.gpus),
+                self._sr_after(host, 0), host.id)
+
     def fleet_wide_key(self, task: TaskRequest, kernel: KernelState) -> Hashable:
         """A task starts on one of its replicas or, by migration, on any other host
         that fits: when it cannot, no host has room for that spec."""
@@ -179,8 +185,7 @@ class NotebookOS(FleetPolicy):
         targets = [h for h in self.hosts.values()
                    if len(h.gpus) - h.committed_gpus >= spec.gpus
                    and h.id not in kernel.hosts and fits_shape(h, kernel.spec)]
-        targets.sort(key=lambda h: (self.warm[h.id] == 0, h.committed_gpus - len(h.gpus),
-                                    self._sr_after(h, 0), h.id))
+        targets.sort(key=self.migration_order)
         for target in targets:
             warm = self.warm[target.id] > 0
             path = StartPath.MIGRATE_WARM if warm else StartPath.MIGRATE_COLD
