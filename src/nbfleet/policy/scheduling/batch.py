@@ -29,7 +29,9 @@ class Batch(FleetPolicy):
     def best_fit(self, task: TaskRequest, kernel: KernelState,
                  path: StartPath) -> list[Decision] | None:
         """Bind on the host with the fewest free GPUs that still fit the task."""
-        for host in sorted(self.hosts.values(), key=lambda h: (len(h.free_gpus()), h.id)):
+        need = self.task_spec(task, kernel).gpus
+        fitting = (h for h in self.hosts.values() if len(h.gpus) - h.committed_gpus >= need)
+        for host in sorted(fitting, key=lambda h: (len(h.gpus) - h.committed_gpus, h.id)):
             started = self.bind(task, kernel, host, path)
             if started is not None:
                 return [started]

@@ -8,6 +8,8 @@ warm container there, a new one is started cold and joins the pool afterwards.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 from nbfleet.policy.scheduling.base import FleetPolicy, KernelState, RunningTask
 from nbfleet.policy.scheduling.decisions import Decision, Placed, StartPath, TaskRequest
 
@@ -23,8 +25,10 @@ class LargeContainerPool(FleetPolicy):
 
     def start_task(self, task: TaskRequest, kernel: KernelState,
                    now: float) -> list[Decision] | None:
-        hosts = sorted(self.hosts.values(),
-                       key=lambda h: (self.warm[h.id] == 0, len(h.free_gpus()), h.id))
+        # The counts first: only a host with enough GPUs free can bind the task.
+        need = self.task_spec(task, kernel).gpus
+        hosts = sorted((h for h in self.hosts.values() if len(h.gpus) - h.committed_gpus >= need),
+                       key=lambda h: (self.warm[h.id] == 0, len(h.gpus) - h.committed_gpus, h.id))
         for host in hosts:
             warm = self.warm[host.id] > 0
             started = self.bind(task, kernel, host, StartPath.WARM if warm else StartPath.COLD)
@@ -34,6 +38,10 @@ class LargeContainerPool(FleetPolicy):
                 self.warm[host.id] -= 1  # it comes back after the task; no refill needed
             return [started]
         return None
+
+    def fleet_wide_key(self, task: TaskRequest, kernel: KernelState) -> Hashable:
+        """Any host may run any task: one that cannot start, no task of its spec can."""
+        return self.task_spec(task, kernel)
 
     def after_task(self, running: RunningTask, now: float) -> list[Decision]:
         host_id = running.host_id
