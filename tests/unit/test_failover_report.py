@@ -210,3 +210,49 @@ def test_a_restart_s_report_names_no_state() -> None:
         _report(None, 3)  # a cell, yet nothing saved
     with pytest.raises(ValidationError):
         CellCheckpoint.model_validate({**_report("s/1", 1).model_dump(), "key": None})
+
+
+def _last_error(db: Database) -> str | None:
+    with db.transaction(write=False) as session:
+        ws = session.get(Workspace, WS)
+        assert ws is not None
+        return ws.last_error
+
+
+def _set_last_error(db: Database, text: str | None) -> None:
+    with db.transaction() as session:
+        ws = session.get(Workspace, WS)
+        assert ws is not None
+        ws.last_error = text
+
+
+def test_a_failed_checkpoint_keeps_the_state_says_why_and_clears_once_one_is_kept(
+        running: Database) -> None:
+    db = running
+    assert failover.record_checkpoint(db, WS, _report("s/1", 3)).kept
+    failed = CellCheckpoint.model_validate({**_report(None, 0).model_dump(), "cell": 4,
+                                            "failed": "OSError: disk full"})
+    failover.record_checkpoint(db, WS, failed)
+    recorded = _recorded(db)
+    assert recorded["kernels"][KERNEL]["key"] == "s/1", "the kept state stays"
+    assert recorded["checkpoint_failures"][KERNEL]["cell"] == 4
+    error = _last_error(db)
+    assert error is not None and "after cell 4 failed: OSError: disk full" in error
+    assert "comes back as of cell 3" in error
+    # Another operation's failure is not overwritten by a checkpoint's.
+    _set_last_error(db, "suspend failed: could not save the workspace")
+    failover.record_checkpoint(db, WS, failed)
+    assert _last_error(db) == "suspend failed: could not save the workspace"
+    # A kept checkpoint clears the entry, and only its own kind of last error.
+    assert failover.record_checkpoint(db, WS, _report("s/2", 5)).kept
+    assert "checkpoint_failures" not in _recorded(db)
+    assert _last_error(db) == "suspend failed: could not save the workspace"
+    _set_last_error(db, None)
+    failover.record_checkpoint(db, WS, failed)
+    assert failover.record_checkpoint(db, WS, _report("s/3", 6)).kept
+    assert _last_error(db) is None
+
+
+def test_a_failed_checkpoint_names_no_state() -> None:
+    with pytest.raises(ValidationError):
+        CellCheckpoint.model_validate({**_report("s/1", 1).model_dump(), "failed": "x"})

@@ -69,9 +69,12 @@ def record_checkpoint(db: Database, workspace_id: str,
             kept = (snapshot.get("kernels") or {}).get(body.kernel_id) or {}
             as_of = (f"cell {kept['cell']}" if isinstance(kept.get("cell"), int)
                      else "its last suspend")
-            ws.last_error = (f"{CHECKPOINT_FAILED} of kernel {body.kernel_id} after cell "
-                             f"{body.cell} failed: {body.failed}; if its host is lost it "
-                             f"comes back as of {as_of}")[:2000]
+            if ws.last_error is None or ws.last_error.startswith(CHECKPOINT_FAILED):
+                # Another operation's failure (a suspend that could not save) says
+                # more: it stays, and the snapshot's entry says this one.
+                ws.last_error = (f"{CHECKPOINT_FAILED} of kernel {body.kernel_id} after cell "
+                                 f"{body.cell} failed: {body.failed}; if its host is lost it "
+                                 f"comes back as of {as_of}")[:2000]
             return CheckpointRecorded(kept=True)
         if failures.pop(body.kernel_id, None) is not None:
             if failures:
