@@ -434,7 +434,11 @@ async def run_cell(kernel: KernelProcess, code: str) -> str:
         msg_id = request.msg_id
         kernel.send_from_client(client, request)
         out = ""
-        while True:
+        # Until the reply and the idle status: the reply comes on the shell channel,
+        # the output on iopub, and nothing orders the two (the kernel's idle status
+        # follows its output on iopub).
+        replied = idle = False
+        while not (replied and idle):
             message = await asyncio.wait_for(client.queue.get(), 60)
             assert message is not None
             msg = json.loads(message.legacy_frame())
@@ -442,9 +446,12 @@ async def run_cell(kernel: KernelProcess, code: str) -> str:
                 continue
             if msg["msg_type"] == "stream":
                 out += msg["content"]["text"]
-            if msg["msg_type"] == "execute_reply":
+            elif msg["msg_type"] == "status":
+                idle = idle or msg["content"]["execution_state"] == "idle"
+            elif msg["msg_type"] == "execute_reply":
                 assert msg["content"]["status"] == "ok", msg["content"]
-                return out
+                replied = True
+        return out
     finally:
         kernel.detach(client)
 

@@ -258,7 +258,12 @@ def test_a_failing_blob_store_keeps_the_workspace_running(cold_cluster: Cluster)
 
     body = suspend(client, ws)
     assert body["state"] == "running" and "could not save" in body["last_error"]
-    assert body["desired_state"] == "running" and body["snapshot"] is None
+    assert body["desired_state"] == "running"
+    # Nothing saved. The cell's checkpoint may have failed on the same store, and
+    # then says so (the suspend's error stays the last one).
+    snapshot = body["snapshot"]
+    assert snapshot is None or (snapshot["at"] is None and snapshot["kernels"] == []
+                                and set(snapshot["checkpoint_failures"]) == {kernel}), snapshot
     assert outcome(run_cell(cold_cluster, client, ws, kernel, "print(len(big))")) == "256000\n"
 
     blocker.unlink()
