@@ -208,14 +208,14 @@ class ReleaseQueue:
     def put(self, task_ids: Iterable[str]) -> None:
         for task_id in task_ids:
             self._pending[task_id] = False  # a release says all a hold said
-        self._bound()
+        self._trim()
 
     def hold(self, task_ids: Iterable[str]) -> None:
         for task_id in task_ids:
             self._pending.setdefault(task_id, True)
-        self._bound()
+        self._trim()
 
-    def _bound(self) -> None:
+    def _trim(self) -> None:
         overflow = len(self._pending) - PENDING_LIMIT
         if overflow > 0:
             log.warning("dropping %d unreported GPU releases", overflow)

@@ -49,9 +49,13 @@ class NotebookOS(FleetPolicy):
     # ------------------------------------------------------------ placement
     def sr_limit(self, extra_subscribed: int = 0) -> float:
         gpus = sum(len(h.gpus) for h in self.hosts.values())
+        subscribed = sum(h.subscribed_gpus for h in self.hosts.values()) + extra_subscribed
+        return self._limit_at(subscribed, gpus)
+
+    def _limit_at(self, subscribed: int, gpus: int) -> float:
+        """The SR limit with ``subscribed`` GPUs subscribed over ``gpus`` GPUs."""
         if gpus == 0:
             return self.config.sr_floor
-        subscribed = sum(h.subscribed_gpus for h in self.hosts.values()) + extra_subscribed
         return min(self.config.sr_high_watermark, max(self.config.sr_floor, subscribed / gpus))
 
     def _sr_after(self, host: Host, extra: int) -> float:
@@ -122,7 +126,7 @@ class NotebookOS(FleetPolicy):
         return out
 
     def _empty_hosts_needed(self, assumed: int, waiting: list[str] | None = None) -> int:
-        replicas, config = self.config.replicas, self.config
+        replicas = self.config.replicas
         shape_gpus = len(self._shape.gpus)
         gpus_total = sum(len(h.gpus) for h in self.hosts.values()) + assumed * shape_gpus
         subscribed = sum(h.subscribed_gpus for h in self.hosts.values())
@@ -132,8 +136,7 @@ class NotebookOS(FleetPolicy):
             kernel = self.kernels[kernel_id]
             gpus = kernel.spec.gpus
             subscribed += gpus * replicas
-            limit = (min(config.sr_high_watermark, max(config.sr_floor, subscribed / gpus_total))
-                     if gpus_total else config.sr_floor)
+            limit = self._limit_at(subscribed, gpus_total)
             found = [h for h in self.hosts.values() if fits_shape(h, kernel.spec)
                      and self._sr_after(h, taken.get(h.id, 0) + gpus) <= limit + 1e-9]
             for host in found[:replicas]:
